@@ -1,0 +1,1 @@
+"""Evaluations, benchmarks and demos of tierattn (reasoning accuracy, fidelity, kernel demo)."""

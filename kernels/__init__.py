@@ -1,0 +1,1 @@
+"""tierattn.kernels: Triton kernels for paged KV attention, with plain-torch references."""

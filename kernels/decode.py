@@ -1,0 +1,400 @@
+"""Sparse paged decode: flash-decoding of one query token over a selected list of KV pages.
+
+Work split: one program per (sequence, KV head, split). The program loads the ``G = H_q/H_kv``
+query heads of its group once and streams its share of the row's pages, so each KV page is read
+once per group (GQA packing). A tile holds ``NP`` whole pages, each padded to ``P_PAD`` lanes, so
+page boundaries never cross tiles and any page size works. Splits write partial states that
+:mod:`.merge` combines (split-K). The per-page attention mass is exact across splits because each
+program stores the page's own log-sum-exp and the mass is formed only after the final LSE is
+known: ``mass(page) = sum_g exp(page_lse_g - lse_g)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tierattn.errors import KernelInputError
+
+from ._common import (
+    _softcap,
+    Backend,
+    check_gqa,
+    check_out,
+    check_pool,
+    check_sm_scale,
+    check_softcap,
+    check_tensor,
+    dot_precision,
+    next_pow2,
+    resolve_backend,
+)
+from .merge import _merge_kernel
+from .page_table import PageTable
+
+__all__ = ["DecodeOutput", "sparse_decode", "sparse_decode_reference", "auto_num_splits"]
+
+#: largest split count "auto" picks; explicit counts may be larger.
+MAX_AUTO_SPLITS = 16
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kv_ptr, indices_ptr, row_start_ptr, row_count_ptr, last_len_ptr,
+    part_o_ptr, part_lse_ptr, page_lse_ptr,
+    num_slots, page_size, group, head_dim, num_kv_heads, sm_scale,
+    stride_qb, stride_qh,
+    stride_kv_slot, stride_kv_kv, stride_kv_tok, stride_kv_head,
+    stride_po_s, stride_po_b, stride_po_h,
+    stride_pl_s, stride_pl_b,
+    stride_pg_e,
+    HEAD_ROWS: tl.constexpr, RETURN_MASS: tl.constexpr, SOFTCAP: tl.constexpr,
+    P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_s = tl.program_id(2).to(tl.int64)
+    num_splits = tl.num_programs(2)
+    NP: tl.constexpr = BLOCK_N // P_PAD
+
+    i_row = i_b * num_kv_heads + i_h if HEAD_ROWS else i_b
+    row_start = tl.load(row_start_ptr + i_row).to(tl.int64)
+    row_count = tl.load(row_count_ptr + i_row).to(tl.int64)
+    last_len = tl.load(last_len_ptr + i_row).to(tl.int64)
+    per_split = tl.cdiv(row_count, num_splits)
+    e_begin = i_s * per_split
+    e_end = tl.minimum(e_begin + per_split, row_count)
+
+    o_g = tl.arange(0, BLOCK_G)
+    o_d = tl.arange(0, BLOCK_D)
+    o_n = tl.arange(0, BLOCK_N)
+    o_page = o_n // P_PAD  # [BLOCK_N] page of each lane within the tile
+    o_lane = (o_n % P_PAD).to(tl.int64)  # [BLOCK_N] token of each lane within its page
+    m_g = o_g < group
+    m_d = o_d < head_dim
+    o_qh = i_h * group + o_g  # [BLOCK_G] query heads of this group
+
+    p_q = q_ptr + i_b * stride_qb + o_qh[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BG, BD]
+
+    b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_G], tl.float32)
+    b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+
+    for e0 in range(e_begin, e_end, NP):
+        o_e = e0 + o_page  # [BLOCK_N] entry (within the row) of each lane
+        m_e = o_e < e_end
+        b_slot = tl.load(indices_ptr + row_start + o_e, mask=m_e, other=0).to(tl.int64)
+        # an out-of-range page id reads nothing (the launcher's validate=True reports it)
+        m_e = m_e & (b_slot >= 0) & (b_slot < num_slots)
+        m_n = m_e & (o_lane < page_size) & ((o_e != row_count - 1) | (o_lane < last_len))
+        o_kv = b_slot * stride_kv_slot + o_lane * stride_kv_tok + i_h * stride_kv_head  # [BN]
+        p_k = kv_ptr + o_kv[:, None] + o_d[None, :]
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(p_k, mask=m_kv, other=0.0).to(tl.float32)  # [BN, BD]
+        b_v = tl.load(p_k + stride_kv_kv, mask=m_kv, other=0.0).to(tl.float32)  # [BN, BD]
+
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * sm_scale  # [BG, BN]
+        if SOFTCAP > 0:
+            b_s = _softcap(b_s, SOFTCAP)
+        b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        # a row that has seen only masked keys keeps max -inf: shift by 0 so exp never sees -inf - -inf
+        b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp(b_m - b_shift)
+        b_p = tl.exp(b_s - b_shift[:, None])  # [BG, BN]
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision=DOT_PRECISION)
+        b_m = b_m_new
+
+        if RETURN_MASS:
+            b_s3 = tl.reshape(b_s, (BLOCK_G, NP, P_PAD))
+            b_pm = tl.max(b_s3, axis=2)  # [BG, NP]
+            b_pm_shift = tl.where(b_pm == float("-inf"), 0.0, b_pm)
+            b_ps = tl.sum(tl.exp(b_s3 - b_pm_shift[:, :, None]), axis=2)
+            b_page_lse = tl.where(b_ps > 0, b_pm_shift + tl.log(tl.where(b_ps > 0, b_ps, 1.0)), float("-inf"))
+            o_pe = e0 + tl.arange(0, NP)  # [NP]
+            # page_lse columns: the group's query heads (per-head rows) or all query heads
+            o_col = o_g if HEAD_ROWS else o_qh
+            p_pl = page_lse_ptr + (row_start + o_pe)[None, :] * stride_pg_e + o_col[:, None]
+            tl.store(p_pl, b_page_lse, mask=m_g[:, None] & (o_pe < e_end)[None, :])
+
+    b_out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+    p_po = part_o_ptr + i_s * stride_po_s + i_b * stride_po_b + o_qh[:, None] * stride_po_h
+    tl.store(p_po + o_d[None, :], b_out, mask=m_g[:, None] & m_d[None, :])
+    tl.store(part_lse_ptr + i_s * stride_pl_s + i_b * stride_pl_b + o_qh, b_lse, mask=m_g)
+
+
+@triton.jit
+def _decode_mass_kernel(
+    lse_ptr, row_start_ptr, row_count_ptr, page_lse_ptr, mass_ptr,
+    group, num_kv_heads,
+    stride_lb, stride_pg_e, stride_mass_e,
+    HEAD_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    # mass[entry, head] = sum over the group's query heads of exp(page_lse - lse)
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_row = i_b * num_kv_heads + i_h if HEAD_ROWS else i_b
+    row_start = tl.load(row_start_ptr + i_row).to(tl.int64)
+    row_count = tl.load(row_count_ptr + i_row).to(tl.int64)
+    o_g = tl.arange(0, BLOCK_G)
+    m_g = o_g < group
+    o_qh = i_h * group + o_g
+    b_lse = tl.load(lse_ptr + i_b * stride_lb + o_qh, mask=m_g, other=float("-inf"))
+    b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse)  # empty row: mass 0
+    o_col = o_g if HEAD_ROWS else o_qh
+    for e0 in range(0, row_count, BLOCK_E):
+        o_e = e0 + tl.arange(0, BLOCK_E)
+        m_e = o_e < row_count
+        p_pl = page_lse_ptr + (row_start + o_e)[:, None] * stride_pg_e + o_col[None, :]
+        b_pl = tl.load(p_pl, mask=m_e[:, None] & m_g[None, :], other=float("-inf"))
+        b_mass = tl.sum(tl.exp(b_pl - b_lse[None, :]), axis=1)  # [BLOCK_E]
+        o_m = (row_start + o_e) * stride_mass_e + (0 if HEAD_ROWS else i_h)
+        tl.store(mass_ptr + o_m, b_mass, mask=m_e)
+
+
+@dataclass(frozen=True)
+class DecodeOutput:
+    """Result of :func:`sparse_decode`.
+
+    Attributes:
+        out: ``[B, H_q, D]`` fp32 attention output over the selected pages.
+        lse: ``[B, H_q]`` fp32 natural-log LSE of the scaled scores (``-inf`` for no keys).
+        page_mass: ``[nnz, H_kv]`` fp32 (rows per sequence) or ``[nnz]`` (rows per
+            (sequence, KV head)), aligned with ``page_table.indices``: softmax probability summed
+            over the page's tokens and the group's query heads (sums to ``G`` per row and KV
+            head). ``None`` unless requested; entries outside every row are 0.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    page_mass: torch.Tensor | None = None
+
+
+def auto_num_splits(num_programs: int, avg_pages: float, page_size: int, device: torch.device) -> int:
+    """Split count that fills the GPU without making splits shorter than ~256 tokens.
+
+    Uses only host-known sizes (no sync). On CPU it returns 1.
+    """
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = math.ceil(2 * sms / max(1, num_programs))
+    longest_useful = max(1, math.ceil(avg_pages * page_size / 256))
+    return max(1, min(want, longest_useful, MAX_AUTO_SPLITS))
+
+
+def _check_decode_inputs(q, kv_pool, page_table, out, lse):
+    check_tensor("q", q, ndim=3, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    check_pool("kv_pool", kv_pool)
+    if kv_pool.dtype != q.dtype:
+        raise KernelInputError(
+            f"q has dtype {q.dtype} but kv_pool has {kv_pool.dtype}; cast q to the pool's dtype."
+        )
+    if kv_pool.device != q.device:
+        raise KernelInputError(f"kv_pool is on {kv_pool.device} but q is on {q.device}.")
+    if not isinstance(page_table, PageTable):
+        raise KernelInputError(
+            "page_table must be a PageTable; build it with PageTable.from_csr(indptr, indices, "
+            "last_page_len) or PageTable.from_padded(table, kv_lens, page_size)."
+        )
+    if page_table.device != q.device:
+        raise KernelInputError(f"page_table is on {page_table.device} but q is on {q.device}.")
+    batch, num_q_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, pool_dim = kv_pool.shape
+    if pool_dim != head_dim:
+        raise KernelInputError(f"q has head dim {head_dim} but kv_pool has {pool_dim}.")
+    group = check_gqa(num_q_heads, num_kv_heads)
+    rows = page_table.num_rows
+    if rows not in (batch, batch * num_kv_heads):
+        raise KernelInputError(
+            f"page_table has {rows} rows; expected B={batch} (one page list per sequence) or "
+            f"B*H_kv={batch * num_kv_heads} (one per sequence and KV head)."
+        )
+    return batch, num_q_heads, head_dim, page_size, num_kv_heads, group, rows != batch
+
+
+def sparse_decode_reference(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    page_table: PageTable,
+    *,
+    sm_scale: float | None = None,
+    softcap: float | None = None,
+    return_page_mass: bool = False,
+    compute_dtype: torch.dtype | None = None,
+) -> DecodeOutput:
+    """Plain-torch :func:`sparse_decode`, one row at a time: gather, softmax, weighted sum.
+
+    Computes in ``compute_dtype`` (default: fp32, or fp64 for fp64 inputs) and returns tensors
+    of that dtype.
+    """
+    batch, hq, d = q.shape
+    _, _, page_size, hkv, _ = kv_pool.shape
+    group = hq // hkv
+    head_rows = page_table.num_rows != batch
+    dt = compute_dtype or torch.promote_types(q.dtype, torch.float32)
+    scale = check_sm_scale(sm_scale, d)
+    cap = check_softcap(softcap)
+    out = torch.zeros(batch, hq, d, dtype=dt, device=q.device)
+    lse = torch.full((batch, hq), float("-inf"), dtype=dt, device=q.device)
+    nnz = page_table.indices.numel()
+    mass = torch.zeros((nnz,) if head_rows else (nnz, hkv), dtype=dt, device=q.device)
+    starts, counts = page_table.row_start.tolist(), page_table.row_count.tolist()
+    lasts = page_table.last_page_len.tolist()
+    for r, (start, count, last) in enumerate(zip(starts, counts, lasts)):
+        if count == 0:
+            continue
+        b, heads = (r // hkv, [r % hkv]) if head_rows else (r, range(hkv))
+        slots = page_table.indices[start:start + count].long()
+        n_tok = (count - 1) * page_size + last
+        keys = kv_pool[slots, 0].to(dt).reshape(count * page_size, hkv, d)[:n_tok]
+        values = kv_pool[slots, 1].to(dt).reshape(count * page_size, hkv, d)[:n_tok]
+        for h in heads:
+            qh = slice(h * group, (h + 1) * group)
+            s = (q[b, qh].to(dt) @ keys[:, h].T) * scale  # [G, n_tok]
+            if cap:
+                s = cap * torch.tanh(s / cap)
+            row_lse = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - row_lse[:, None])
+            out[b, qh] = p @ values[:, h]
+            lse[b, qh] = row_lse
+            per_page = torch.nn.functional.pad(p, (0, count * page_size - n_tok))
+            page_mass = per_page.reshape(group, count, page_size).sum(dim=(0, 2))
+            if head_rows:
+                mass[start:start + count] = page_mass
+            else:
+                mass[start:start + count, h] = page_mass
+    return DecodeOutput(out, lse, mass if return_page_mass else None)
+
+
+def sparse_decode(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    page_table: PageTable,
+    *,
+    sm_scale: float | None = None,
+    softcap: float | None = None,
+    num_splits: int | str | None = "auto",
+    return_page_mass: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    validate: bool = True,
+    block_n: int = 64,
+    backend: Backend | None = None,
+) -> DecodeOutput:
+    """Decode attention of one query token per sequence over a page list drawn from a pool.
+
+    Args:
+        q: ``[B, H_q, D]`` query (post-RoPE), fp16/bf16/fp32, same dtype as the pool.
+        kv_pool: ``[num_slots, 2, page_size, H_kv, D]``: K (index 0) and V (index 1) of a page.
+        page_table: rows per sequence (``R = B``) or per (sequence, KV head) (``R = B*H_kv``,
+            row ``b*H_kv + h``); only a row's last entry may be partly filled.
+        sm_scale: score scale (default ``D ** -0.5``).
+        softcap: optional logit softcap ``c``: scores become ``c * tanh(s / c)``.
+        num_splits: split-K count, an int >= 1 or ``"auto"`` (host sizes only, no sync).
+        return_page_mass: also return the per-entry attention mass.
+        out: optional ``[B, H_q, D]`` fp32 output buffer.
+        lse: optional ``[B, H_q]`` fp32 LSE buffer.
+        validate: check every page id and length on the host (one sync on CUDA); the runtime,
+            which builds its own tables, passes False. Kernels mask out-of-range ids either way.
+        block_n: tokens per tile (power of two; raised to the padded page size if smaller).
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
+
+    Returns:
+        :class:`DecodeOutput` with ``out [B, H_q, D]`` and ``lse [B, H_q]`` (fp32) and
+        optionally ``page_mass``.
+    """
+    batch, hq, d, page_size, hkv, group, head_rows = _check_decode_inputs(
+        q, kv_pool, page_table, out, lse)
+    scale = check_sm_scale(sm_scale, d)
+    cap = check_softcap(softcap)
+    if num_splits is None or num_splits == "auto":
+        splits = None
+    elif isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits >= 1:
+        splits = num_splits
+    else:
+        raise KernelInputError(f"num_splits must be 'auto' or an int >= 1, got {num_splits!r}.")
+    if not isinstance(block_n, int) or block_n < 1 or block_n & (block_n - 1):
+        raise KernelInputError(f"block_n must be a power of two, got {block_n!r}.")
+    out = check_out("out", out, (batch, hq, d), torch.float32, q.device)
+    lse = check_out("lse", lse, (batch, hq), torch.float32, q.device)
+    if validate:
+        page_table.validate(kv_pool.shape[0], page_size)
+    nnz = page_table.indices.numel()
+    mass_shape = (nnz,) if head_rows else (nnz, hkv)
+
+    if resolve_backend(backend, q, kv_pool) == "torch":
+        ref = sparse_decode_reference(q, kv_pool, page_table, sm_scale=scale, softcap=cap,
+                                      return_page_mass=return_page_mass)
+        out.copy_(ref.out)
+        lse.copy_(ref.lse)
+        mass = ref.page_mass.float() if ref.page_mass is not None else None
+        return DecodeOutput(out, lse, mass)
+
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    p_pad = next_pow2(page_size)
+    block_n = max(block_n, p_pad, 16)
+    if splits is None:
+        splits = auto_num_splits(batch * hkv, nnz / max(1, page_table.num_rows), page_size, q.device)
+    # splits == 1 writes straight into out/lse; otherwise into partials merged below
+    if splits == 1 and out.is_contiguous() and lse.is_contiguous():
+        part_o, part_lse = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        part_o = torch.empty(splits, batch, hq, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(splits, batch, hq, dtype=torch.float32, device=q.device)
+    cols = group if head_rows else hq
+    page_lse = torch.empty(nnz, cols, dtype=torch.float32, device=q.device) if return_page_mass \
+        else part_lse  # never written when RETURN_MASS is off
+    block_g = max(16, next_pow2(group))
+    block_d = max(16, next_pow2(d))
+    if batch > 0 and hkv > 0:
+        _decode_split_kernel[(batch, hkv, splits)](
+            q, kv_pool, page_table.indices, page_table.row_start, page_table.row_count,
+            page_table.last_page_len,
+            part_o, part_lse, page_lse,
+            kv_pool.shape[0], page_size, group, d, hkv, scale,
+            q.stride(0), q.stride(1),
+            kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            page_lse.stride(0),
+            HEAD_ROWS=head_rows, RETURN_MASS=return_page_mass, SOFTCAP=cap,
+            P_PAD=p_pad, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
+            DOT_PRECISION=dot_precision(q.dtype),
+        )
+    if part_o.data_ptr() != out.data_ptr() or part_o.shape[0] != 1:
+        rows = batch * hq
+        o_flat, l_flat = part_o.view(splits, rows, d), part_lse.view(splits, rows)
+        out2 = out.view(rows, d) if out.is_contiguous() else torch.empty(rows, d, device=q.device)
+        lse2 = lse.view(rows) if lse.is_contiguous() else torch.empty(rows, device=q.device)
+        if rows > 0:
+            _merge_kernel[(rows,)](
+                o_flat, l_flat, out2, lse2, rows, splits, d,
+                o_flat.stride(0), o_flat.stride(1), l_flat.stride(0), l_flat.stride(1),
+                out2.stride(0), BLOCK_N=next_pow2(splits), BLOCK_D=next_pow2(d),
+            )
+        if out2.data_ptr() != out.data_ptr():
+            out.copy_(out2.view(batch, hq, d))
+        if lse2.data_ptr() != lse.data_ptr():
+            lse.copy_(lse2.view(batch, hq))
+
+    mass = None
+    if return_page_mass:
+        mass = torch.zeros(mass_shape, dtype=torch.float32, device=q.device)
+        if batch > 0 and hkv > 0:
+            _decode_mass_kernel[(batch, hkv)](
+                lse.contiguous(), page_table.row_start, page_table.row_count, page_lse, mass,
+                group, hkv, hq, page_lse.stride(0), 1 if head_rows else mass.stride(0),
+                HEAD_ROWS=head_rows, BLOCK_E=64, BLOCK_G=next_pow2(group),
+            )
+    return DecodeOutput(out, lse, mass)

@@ -1,0 +1,162 @@
+"""Page tables in FlashInfer's vocabulary, normalised to one form every kernel reads.
+
+A page table lists, for each *row* (a sequence, or a (sequence, KV head) pair for per-head
+selections), the pool slots of its pages. Two input forms are accepted:
+
+* CSR (``indptr [R+1]``, ``indices [nnz]``, ``last_page_len [R]``), FlashInfer's paged-KV form;
+* padded (``table [R, max_pages]`` plus ``kv_lens [R]``), vLLM's block-table form.
+
+Both become :class:`PageTable` (``indices``, ``row_start``, ``row_count``, ``last_page_len``),
+built with device-side torch ops only (no host sync), so kernels never care which form the
+caller used. Row ``r`` holds entries ``indices[row_start[r] : row_start[r] + row_count[r]]``;
+every entry is a full page except the row's last, which holds ``last_page_len[r]`` tokens
+(between 1 and ``page_size``; 0 for an empty row). Entries are read in list order; for
+prefill and for the page-mass outputs, list order is logical token order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tierattn.errors import KernelInputError
+
+from ._common import INDEX_DTYPE, check_tensor
+
+__all__ = ["PageTable"]
+
+
+def _index(name: str, t: object, ndim: int) -> torch.Tensor:
+    t = check_tensor(name, t, ndim=ndim)
+    if t.dtype != INDEX_DTYPE:
+        raise KernelInputError(
+            f"{name} has dtype {t.dtype}; page tables are int32 (FlashInfer's convention): "
+            f"pass {name}.to(torch.int32)."
+        )
+    return t
+
+
+@dataclass(frozen=True)
+class PageTable:
+    """Normalised page table (all tensors int32, same device).
+
+    Attributes:
+        indices: ``[nnz]`` pool slot of each entry.
+        row_start: ``[R]`` offset of each row's first entry in ``indices``.
+        row_count: ``[R]`` number of entries (pages) of each row.
+        last_page_len: ``[R]`` tokens in each row's last entry (0 when the row is empty).
+    """
+
+    indices: torch.Tensor
+    row_start: torch.Tensor
+    row_count: torch.Tensor
+    last_page_len: torch.Tensor
+
+    @classmethod
+    def from_csr(
+        cls, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor
+    ) -> "PageTable":
+        """FlashInfer form: row ``r`` is ``indices[indptr[r]:indptr[r+1]]``.
+
+        Args:
+            indptr: ``[R+1]`` int32, non-decreasing, ``indptr[0] == 0``.
+            indices: ``[nnz]`` int32 pool slots.
+            last_page_len: ``[R]`` int32 tokens in each row's last page.
+        """
+        indptr = _index("indptr", indptr, 1)
+        indices = _index("indices", indices, 1)
+        last_page_len = _index("last_page_len", last_page_len, 1)
+        if indptr.numel() != last_page_len.numel() + 1:
+            raise KernelInputError(
+                f"indptr has {indptr.numel()} entries but last_page_len has "
+                f"{last_page_len.numel()}; indptr must have one entry more (R+1 vs R)."
+            )
+        for n, t in (("indices", indices), ("last_page_len", last_page_len)):
+            if t.device != indptr.device:
+                raise KernelInputError(f"{n} is on {t.device} but indptr is on {indptr.device}.")
+        return cls(
+            indices=indices.contiguous(),
+            row_start=indptr[:-1].contiguous(),
+            row_count=(indptr[1:] - indptr[:-1]).to(INDEX_DTYPE),
+            last_page_len=last_page_len.contiguous(),
+        )
+
+    @classmethod
+    def from_padded(cls, table: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> "PageTable":
+        """Block-table form: row ``r`` uses ``table[r, :ceil(kv_lens[r] / page_size)]``.
+
+        Args:
+            table: ``[R, max_pages]`` int32 pool slots; entries past a row's length are ignored.
+            kv_lens: ``[R]`` int32 tokens per row.
+            page_size: tokens per page.
+        """
+        table = _index("table", table, 2)
+        kv_lens = _index("kv_lens", kv_lens, 1)
+        if kv_lens.numel() != table.shape[0]:
+            raise KernelInputError(
+                f"kv_lens has {kv_lens.numel()} entries but table has {table.shape[0]} rows."
+            )
+        if kv_lens.device != table.device:
+            raise KernelInputError(f"kv_lens is on {kv_lens.device} but table is on {table.device}.")
+        if not isinstance(page_size, int) or page_size < 1:
+            raise KernelInputError(f"page_size must be a positive int, got {page_size!r}.")
+        rows, max_pages = table.shape
+        count = torch.div(kv_lens + (page_size - 1), page_size, rounding_mode="floor")
+        last = torch.where(count > 0, kv_lens - (count - 1) * page_size, torch.zeros_like(kv_lens))
+        start = torch.arange(rows, dtype=INDEX_DTYPE, device=table.device) * max_pages
+        return cls(
+            indices=table.contiguous().reshape(-1),
+            row_start=start,
+            row_count=count.to(INDEX_DTYPE),
+            last_page_len=last.to(INDEX_DTYPE),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_count.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.indices.device
+
+    def kv_lens(self, page_size: int) -> torch.Tensor:
+        """``[R]`` int64 tokens per row: ``(count - 1) * page_size + last_page_len``."""
+        count = self.row_count.long()
+        return torch.where(count > 0, (count - 1) * page_size + self.last_page_len.long(), 0)
+
+    def to(self, device: torch.device | str) -> "PageTable":
+        return PageTable(*(t.to(device) for t in
+                           (self.indices, self.row_start, self.row_count, self.last_page_len)))
+
+    def validate(self, num_slots: int, page_size: int) -> None:
+        """Check every value (reads the table on the host: one sync on CUDA).
+
+        Raises:
+            KernelInputError: naming the offending row, entry or slot.
+        """
+        start, count = self.row_start.long().cpu(), self.row_count.long().cpu()
+        last = self.last_page_len.long().cpu()
+        idx = self.indices.long().cpu()
+        if (count < 0).any():
+            r = int(torch.nonzero(count < 0)[0])
+            raise KernelInputError(f"page table row {r} has a negative page count {int(count[r])} "
+                                   "(indptr must be non-decreasing; kv_lens must be >= 0).")
+        if (start < 0).any() or (start + count > idx.numel()).any():
+            r = int(torch.nonzero((start < 0) | (start + count > idx.numel()))[0])
+            raise KernelInputError(
+                f"page table row {r} spans entries [{int(start[r])}, {int(start[r] + count[r])}) "
+                f"outside indices of length {idx.numel()}.")
+        bad_last = ((count > 0) & ((last < 1) | (last > page_size))) | ((count == 0) & (last != 0))
+        if bad_last.any():
+            r = int(torch.nonzero(bad_last)[0])
+            raise KernelInputError(
+                f"last_page_len[{r}]={int(last[r])} is invalid: it must be in 1..{page_size} for a "
+                "row with pages and 0 for an empty row.")
+        if count.sum() > 0:
+            used = torch.cat([idx[int(s): int(s + c)] for s, c in zip(start, count) if c > 0])
+            bad = (used < 0) | (used >= num_slots)
+            if bad.any():
+                raise KernelInputError(
+                    f"page id {int(used[bad][0])} is out of range for a pool of {num_slots} slots "
+                    "(valid ids: 0..num_slots-1).")

@@ -1,0 +1,20 @@
+"""Typed errors of tierattn. Every message names the argument at fault and the fix.
+
+This module imports nothing from the package, so every layer (kernels included) can raise them.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TierAttnError", "KernelInputError", "KernelUnsupportedError"]
+
+
+class TierAttnError(Exception):
+    """Base class of every error tierattn raises on purpose."""
+
+
+class KernelInputError(TierAttnError, ValueError):
+    """A kernel argument has the wrong shape, dtype, device, layout or value."""
+
+
+class KernelUnsupportedError(TierAttnError, NotImplementedError):
+    """A valid request that this build cannot serve (backend, head dim, device)."""
