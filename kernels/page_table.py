@@ -103,7 +103,8 @@ class PageTable:
             raise KernelInputError(f"page_size must be a positive int, got {page_size!r}.")
         rows, max_pages = table.shape
         count = torch.div(kv_lens + (page_size - 1), page_size, rounding_mode="floor")
-        last = torch.where(count > 0, kv_lens - (count - 1) * page_size, torch.zeros_like(kv_lens))
+        # a negative kv_len stays visible in last_page_len so validate() reports it
+        last = torch.where(count > 0, kv_lens - (count - 1) * page_size, kv_lens)
         start = torch.arange(rows, dtype=INDEX_DTYPE, device=table.device) * max_pages
         return cls(
             indices=table.contiguous().reshape(-1),
@@ -142,6 +143,10 @@ class PageTable:
             r = int(torch.nonzero(count < 0)[0])
             raise KernelInputError(f"page table row {r} has a negative page count {int(count[r])} "
                                    "(indptr must be non-decreasing; kv_lens must be >= 0).")
+        if (last < 0).any():
+            r = int(torch.nonzero(last < 0)[0])
+            raise KernelInputError(f"page table row {r} has a negative length {int(last[r])} "
+                                   "(kv_lens and last_page_len must be >= 0).")
         if (start < 0).any() or (start + count > idx.numel()).any():
             r = int(torch.nonzero((start < 0) | (start + count > idx.numel()))[0])
             raise KernelInputError(
