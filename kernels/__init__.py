@@ -1,1 +1,33 @@
-"""tierattn.kernels: Triton kernels for paged KV attention, with plain-torch references."""
+"""tierattn.kernels: Triton kernels for paged KV attention, each with a plain-torch reference.
+
+Every public op takes ``backend="auto" | "triton" | "torch"``: Triton on CUDA tensors or under
+the interpreter (``TRITON_INTERPRET=1``), the torch reference otherwise. Shapes, the page-table
+contract and the math are in ``kernels/README.md``. No transformers import here.
+"""
+
+from tierattn.kernels.copy import copy_pages, copy_pages_reference
+from tierattn.kernels.decode import DecodeOutput, sparse_decode, sparse_decode_reference
+from tierattn.kernels.merge import merge_state, merge_states, merge_states_reference
+from tierattn.kernels.metadata import page_metadata, page_metadata_reference
+from tierattn.kernels.page_table import PageTable
+from tierattn.kernels.prefill import PrefillOutput, paged_prefill, paged_prefill_reference
+from tierattn.kernels.score import quest_score, quest_score_reference
+
+__all__ = [
+    "DecodeOutput",
+    "PageTable",
+    "PrefillOutput",
+    "copy_pages",
+    "copy_pages_reference",
+    "merge_state",
+    "merge_states",
+    "merge_states_reference",
+    "page_metadata",
+    "page_metadata_reference",
+    "paged_prefill",
+    "paged_prefill_reference",
+    "quest_score",
+    "quest_score_reference",
+    "sparse_decode",
+    "sparse_decode_reference",
+]

@@ -1,0 +1,71 @@
+"""Packaging and hygiene: one namespace, no import side effects, README and CI in step, no pickle."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIRS = ("kernels", "tierattn", "models", "eval")
+
+
+def _readme_commands() -> list[str]:
+    return re.findall(r"```bash\n\s*(.+?)\n\s*```", (ROOT / "README.md").read_text())
+
+
+def test_readme_quick_start_has_two_commands_and_ci_runs_the_test_one():
+    setup_and_demo, setup_and_test = _readme_commands()[:2]
+    assert setup_and_demo.endswith("tierattn demo")
+    ci = (ROOT / ".ci" / "run").read_text()
+    # CI performs the README's set-up steps and then its exact test command
+    steps = [s.strip() for s in setup_and_test.split("&&")]
+    for step in steps:
+        assert step in ci, f"README step {step!r} is not in .ci/run"
+    assert steps[-1] == ".venv/bin/python -m pytest -n 2"
+
+
+def test_no_unsafe_deserialisation_in_the_package():
+    pattern = re.compile(r"\bpickle\b|torch\.load\(|allow_pickle\s*=\s*True")
+    hits = [f"{p.relative_to(ROOT)}:{i}" for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []
+
+
+def test_kernels_never_import_transformers():
+    imports = re.compile(r"^\s*(import|from)\s+transformers\b", re.M)
+    hits = [p.name for p in (ROOT / "kernels").rglob("*.py") if imports.search(p.read_text())]
+    assert hits == []
+
+
+def test_import_has_no_side_effects():
+    code = ("import sys, tierattn, tierattn.models, tierattn.eval; "
+            "print(sorted(m for m in ('triton', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_cli_lists_only_working_subcommands():
+    out = subprocess.run([sys.executable, "-m", "tierattn.cli", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    assert re.search(r"\{(.+)\}", out).group(1) == "demo,info"
+    info = subprocess.run([sys.executable, "-m", "tierattn.cli", "info"], capture_output=True,
+                          text=True, check=True).stdout
+    assert '"tierattn": "0.1.0"' in info
+
+
+def test_wheel_installs_one_namespace(tmp_path):
+    pytest.importorskip("setuptools", minversion="77")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("tierattn-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"tierattn"}, f"the wheel installs more than tierattn/: {sorted(top)}"
+    for sub in ("kernels", "models", "eval"):
+        assert f"tierattn/{sub}/__init__.py" in names
+    assert "tierattn/py.typed" in names and "tierattn/kernels/README.md" in names
