@@ -186,7 +186,8 @@ def run_demo(*, context: int = 1024, page_size: int = 16, num_q_heads: int = 8,
 def format_report(result: dict) -> str:
     c = result["config"]
     lines = [
-        f"tierattn kernel demo: {c['context']} tokens = {c['num_pages']} pages of {c['page_size']}, "
+        f"tierattn kernel demo: {c['context']} tokens = {c['num_pages']} pages of "
+        f"{c['page_size']}, "
         f"heads {c['heads']}, d={c['head_dim']}, {c['dtype']}, device {c['device']}, "
         f"backend {c['backend']}",
         f"HBM budget {c['hbm_budget_pages']} pages; needle pages {result['needle_pages']} hold "

@@ -9,7 +9,8 @@ and every address is computed in int64.
 from __future__ import annotations
 
 import os
-from typing import Literal, Sequence
+from typing import Literal
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -159,7 +160,7 @@ def next_pow2(n: int) -> int:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` precision after the fp32 upcast: tf32 is exact for fp16/bf16 inputs, fp32 needs ieee."""
+    """``tl.dot`` precision after the fp32 upcast: tf32 is exact for 16-bit inputs, not fp32."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 

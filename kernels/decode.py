@@ -99,13 +99,14 @@ def _decode_split_kernel(
         b_k = tl.load(p_k, mask=m_kv, other=0.0).to(tl.float32)  # [BN, BD]
         b_v = tl.load(p_k + stride_kv_kv, mask=m_kv, other=0.0).to(tl.float32)  # [BN, BD]
 
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * sm_scale  # [BG, BN]
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+        b_s = b_s * sm_scale  # [BG, BN]
         if SOFTCAP > 0:
             b_s = _softcap(b_s, SOFTCAP)
         b_s = tl.where(m_n[None, :], b_s, float("-inf"))
 
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        # a row that has seen only masked keys keeps max -inf: shift by 0 so exp never sees -inf - -inf
+        # a row that saw only masked keys keeps max -inf: shift by 0, never exp(-inf - -inf)
         b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         b_alpha = tl.exp(b_m - b_shift)
         b_p = tl.exp(b_s - b_shift[:, None])  # [BG, BN]
@@ -118,7 +119,8 @@ def _decode_split_kernel(
             b_pm = tl.max(b_s3, axis=2)  # [BG, NP]
             b_pm_shift = tl.where(b_pm == float("-inf"), 0.0, b_pm)
             b_ps = tl.sum(tl.exp(b_s3 - b_pm_shift[:, :, None]), axis=2)
-            b_page_lse = tl.where(b_ps > 0, b_pm_shift + tl.log(tl.where(b_ps > 0, b_ps, 1.0)), float("-inf"))
+            b_ps_safe = tl.where(b_ps > 0, b_ps, 1.0)
+            b_page_lse = tl.where(b_ps > 0, b_pm_shift + tl.log(b_ps_safe), float("-inf"))
             o_pe = e0 + tl.arange(0, NP)  # [NP]
             # page_lse columns: the group's query heads (per-head rows) or all query heads
             o_col = o_g if HEAD_ROWS else o_qh
@@ -179,7 +181,8 @@ class DecodeOutput:
     page_mass: torch.Tensor | None = None
 
 
-def auto_num_splits(num_programs: int, avg_pages: float, page_size: int, device: torch.device) -> int:
+def auto_num_splits(num_programs: int, avg_pages: float, page_size: int,
+                    device: torch.device) -> int:
     """Split count that fills the GPU without making splits shorter than ~256 tokens.
 
     Uses only host-known sizes (no sync). On CPU it returns 1.
@@ -345,7 +348,8 @@ def sparse_decode(
     p_pad = next_pow2(page_size)
     block_n = max(block_n, p_pad, 16)
     if splits is None:
-        splits = auto_num_splits(batch * hkv, nnz / max(1, page_table.num_rows), page_size, q.device)
+        avg_pages = nnz / max(1, page_table.num_rows)
+        splits = auto_num_splits(batch * hkv, avg_pages, page_size, q.device)
     # splits == 1 writes straight into out/lse; otherwise into partials merged below
     if splits == 1 and out.is_contiguous() and lse.is_contiguous():
         part_o, part_lse = out.unsqueeze(0), lse.unsqueeze(0)

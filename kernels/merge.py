@@ -136,7 +136,7 @@ def merge_state(
     o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor,
     *, backend: Backend | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partial states: ``o_*: [*batch, D]``, ``lse_*: [*batch]`` -> the same shapes, fp32."""
+    """Merge two partial states: ``o_*: [*batch, D]``, ``lse_*: [*batch]`` -> same shapes, fp32."""
     if o_a.shape != o_b.shape or lse_a.shape != lse_b.shape:
         raise KernelInputError(
             f"o_a {list(o_a.shape)} / o_b {list(o_b.shape)} and lse_a {list(lse_a.shape)} / "

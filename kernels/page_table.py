@@ -56,7 +56,7 @@ class PageTable:
     @classmethod
     def from_csr(
         cls, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor
-    ) -> "PageTable":
+    ) -> PageTable:
         """FlashInfer form: row ``r`` is ``indices[indptr[r]:indptr[r+1]]``.
 
         Args:
@@ -83,7 +83,9 @@ class PageTable:
         )
 
     @classmethod
-    def from_padded(cls, table: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> "PageTable":
+    def from_padded(
+        cls, table: torch.Tensor, kv_lens: torch.Tensor, page_size: int
+    ) -> PageTable:
         """Block-table form: row ``r`` uses ``table[r, :ceil(kv_lens[r] / page_size)]``.
 
         Args:
@@ -98,7 +100,8 @@ class PageTable:
                 f"kv_lens has {kv_lens.numel()} entries but table has {table.shape[0]} rows."
             )
         if kv_lens.device != table.device:
-            raise KernelInputError(f"kv_lens is on {kv_lens.device} but table is on {table.device}.")
+            raise KernelInputError(
+                f"kv_lens is on {kv_lens.device} but table is on {table.device}.")
         if not isinstance(page_size, int) or page_size < 1:
             raise KernelInputError(f"page_size must be a positive int, got {page_size!r}.")
         rows, max_pages = table.shape
@@ -126,7 +129,7 @@ class PageTable:
         count = self.row_count.long()
         return torch.where(count > 0, (count - 1) * page_size + self.last_page_len.long(), 0)
 
-    def to(self, device: torch.device | str) -> "PageTable":
+    def to(self, device: torch.device | str) -> PageTable:
         return PageTable(*(t.to(device) for t in
                            (self.indices, self.row_start, self.row_count, self.last_page_len)))
 

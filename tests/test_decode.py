@@ -1,4 +1,4 @@
-"""Sparse paged decode: adversarial case list, seeded random cases, masking, red zones, bad inputs."""
+"""Sparse paged decode: adversarial cases, seeded random cases, masking, red zones, bad inputs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Packaging and hygiene: one namespace, no import side effects, README and CI in step, no pickle."""
+"""Packaging and hygiene: one namespace, no import side effects, README/CI in step, no pickle."""
 
 from __future__ import annotations
 
