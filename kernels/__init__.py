@@ -5,7 +5,7 @@ the interpreter (``TRITON_INTERPRET=1``), the torch reference otherwise. Shapes,
 contract and the math are in ``kernels/README.md``. No transformers import here.
 """
 
-from tierattn.kernels.copy import copy_pages, copy_pages_reference
+from tierattn.kernels.page_copy import copy_pages, copy_pages_reference
 from tierattn.kernels.decode import DecodeOutput, sparse_decode, sparse_decode_reference
 from tierattn.kernels.merge import merge_state, merge_states, merge_states_reference
 from tierattn.kernels.metadata import page_metadata, page_metadata_reference

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,13 +27,21 @@ from tierattn.kernels import testing  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and
                       os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
-_FIGURES_DIR = Path(__file__).resolve().parent.parent / ".pytest_cache" / "tierattn-figures"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if not hasattr(config, "workerinput"):  # the xdist controller, or a plain run
-        shutil.rmtree(_FIGURES_DIR, ignore_errors=True)
-    _FIGURES_DIR.mkdir(parents=True, exist_ok=True)
+    # one folder per run, made by the xdist controller (or a plain run); workers inherit the path
+    if not hasattr(config, "workerinput"):
+        os.environ["TIERATTN_FIGURES_DIR"] = tempfile.mkdtemp(prefix="tierattn-figures-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ.pop("TIERATTN_FIGURES_DIR", ""), ignore_errors=True)
+
+
+def _figures_dir() -> Path:
+    return Path(os.environ["TIERATTN_FIGURES_DIR"])
 
 
 @pytest.fixture
@@ -52,7 +61,7 @@ class Figures:
     """Appends one JSON line per recorded event to this worker's file."""
 
     def __init__(self, worker: str) -> None:
-        self._path = _FIGURES_DIR / f"{worker}.jsonl"
+        self._path = _figures_dir() / f"{worker}.jsonl"
 
     def _write(self, **event) -> None:
         with self._path.open("a") as f:
@@ -89,7 +98,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if hasattr(config, "workerinput"):
         return
     events = []
-    for path in sorted(_FIGURES_DIR.glob("*.jsonl")):
+    for path in sorted(_figures_dir().glob("*.jsonl")):
         events += [json.loads(line) for line in path.read_text().splitlines() if line]
     if not events:
         return
