@@ -379,8 +379,9 @@ def sparse_decode(
     if part_o.data_ptr() != out.data_ptr() or part_o.shape[0] != 1:
         rows = batch * hq
         o_flat, l_flat = part_o.view(splits, rows, d), part_lse.view(splits, rows)
-        out2 = out.view(rows, d) if out.is_contiguous() else torch.empty(rows, d, device=q.device)
-        lse2 = lse.view(rows) if lse.is_contiguous() else torch.empty(rows, device=q.device)
+        f32 = {"dtype": torch.float32, "device": q.device}
+        out2 = out.view(rows, d) if out.is_contiguous() else torch.empty(rows, d, **f32)
+        lse2 = lse.view(rows) if lse.is_contiguous() else torch.empty(rows, **f32)
         if rows > 0:
             _merge_kernel[(rows,)](
                 o_flat, l_flat, out2, lse2, rows, splits, d,

@@ -116,8 +116,9 @@ def merge_states(
     if o3.stride(-1) != 1:
         o3 = o3.contiguous()
     lse2 = lse.reshape(n, rows)
-    out2 = out.view(rows, d) if out.is_contiguous() else torch.empty(rows, d, device=o.device)
-    out_lse1 = out_lse.view(rows) if out_lse.is_contiguous() else torch.empty(rows, device=o.device)
+    f32 = {"dtype": torch.float32, "device": o.device}
+    out2 = out.view(rows, d) if out.is_contiguous() else torch.empty(rows, d, **f32)
+    out_lse1 = out_lse.view(rows) if out_lse.is_contiguous() else torch.empty(rows, **f32)
     if rows > 0:
         _merge_kernel[(rows,)](
             o3, lse2, out2, out_lse1,

@@ -144,27 +144,29 @@ class PageTable:
         idx = self.indices.long().cpu()
         if (count < 0).any():
             r = int(torch.nonzero(count < 0)[0])
-            raise KernelInputError(f"page table row {r} has a negative page count {int(count[r])} "
-                                   "(indptr must be non-decreasing; kv_lens must be >= 0).")
+            raise KernelInputError(
+                f"page_table: row {r} has a negative page count {int(count[r])} "
+                "(indptr must be non-decreasing; kv_lens must be >= 0).")
         if (last < 0).any():
             r = int(torch.nonzero(last < 0)[0])
-            raise KernelInputError(f"page table row {r} has a negative length {int(last[r])} "
-                                   "(kv_lens and last_page_len must be >= 0).")
+            raise KernelInputError(
+                f"page_table: row {r} has a negative length {int(last[r])} "
+                "(kv_lens and last_page_len must be >= 0).")
         if (start < 0).any() or (start + count > idx.numel()).any():
             r = int(torch.nonzero((start < 0) | (start + count > idx.numel()))[0])
             raise KernelInputError(
-                f"page table row {r} spans entries [{int(start[r])}, {int(start[r] + count[r])}) "
+                f"page_table: row {r} spans entries [{int(start[r])}, {int(start[r] + count[r])}) "
                 f"outside indices of length {idx.numel()}.")
         bad_last = ((count > 0) & ((last < 1) | (last > page_size))) | ((count == 0) & (last != 0))
         if bad_last.any():
             r = int(torch.nonzero(bad_last)[0])
             raise KernelInputError(
-                f"last_page_len[{r}]={int(last[r])} is invalid: it must be in 1..{page_size} for a "
-                "row with pages and 0 for an empty row.")
+                f"page_table: last_page_len[{r}]={int(last[r])} is invalid: it must be in "
+                f"1..{page_size} for a row with pages and 0 for an empty row.")
         if count.sum() > 0:
             used = torch.cat([idx[int(s): int(s + c)] for s, c in zip(start, count) if c > 0])
             bad = (used < 0) | (used >= num_slots)
             if bad.any():
                 raise KernelInputError(
-                    f"page id {int(used[bad][0])} is out of range for a pool of {num_slots} slots "
-                    "(valid ids: 0..num_slots-1).")
+                    f"page_table: page id {int(used[bad][0])} is out of range for a pool of "
+                    f"{num_slots} slots (valid ids: 0..num_slots-1).")

@@ -1,0 +1,492 @@
+"""Paged prefill: causal (optionally sliding-window, softcapped) attention of a prompt chunk
+over paged KV, with the per-page attention mass that seeds importance-based policies.
+
+The chunk's own K/V are already in the pool: the ``q_len`` queries of a sequence are its last
+``q_len`` tokens. Work split: a host plan lists ``BLOCK_M``-row query blocks; pass 1 runs one
+program per (block, query head), a flash-attention loop over the KV tiles the block can see
+(tiles of ``NP`` whole pages, each padded to ``P_PAD`` lanes, as in :mod:`.decode`). Pass 2, only
+for the page mass, is KV-major: one program per (KV tile, KV head) recomputes the scores of every
+query row and group head that can see the tile and sums ``exp(s - lse)`` per page, so each mass
+entry is written by exactly one program (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tierattn.errors import KernelInputError
+
+from ._common import (
+    _softcap,
+    Backend,
+    INDEX_DTYPE,
+    check_gqa,
+    check_out,
+    check_pool,
+    check_sm_scale,
+    check_softcap,
+    check_tensor,
+    dot_precision,
+    next_pow2,
+    resolve_backend,
+)
+from .page_table import PageTable
+
+__all__ = ["PrefillOutput", "paged_prefill", "paged_prefill_reference"]
+
+
+@triton.jit(do_not_specialize=["num_slots", "window"])
+def _prefill_fwd_kernel(
+    q_ptr, kv_ptr, items_ptr, qo_indptr_ptr, indices_ptr, row_start_ptr, row_count_ptr,
+    last_len_ptr, out_ptr, lse_ptr,
+    num_slots, page_size, group, head_dim, sm_scale, window,
+    stride_qt, stride_qh,
+    stride_kv_slot, stride_kv_kv, stride_kv_tok, stride_kv_head,
+    stride_ot, stride_oh, stride_lt, stride_lh,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    i_w = tl.program_id(0).to(tl.int64)
+    i_hq = tl.program_id(1).to(tl.int64)
+    NP: tl.constexpr = BLOCK_N // P_PAD
+    i_b = tl.load(items_ptr + 2 * i_w).to(tl.int64)
+    i_m0 = tl.load(items_ptr + 2 * i_w + 1).to(tl.int64)
+    i_hk = i_hq // group
+
+    qo_start = tl.load(qo_indptr_ptr + i_b).to(tl.int64)
+    q_len = tl.load(qo_indptr_ptr + i_b + 1).to(tl.int64) - qo_start
+    row_start = tl.load(row_start_ptr + i_b).to(tl.int64)
+    row_count = tl.load(row_count_ptr + i_b).to(tl.int64)
+    last_len = tl.load(last_len_ptr + i_b).to(tl.int64)
+    kv_len = tl.where(row_count > 0, (row_count - 1) * page_size + last_len, 0)
+    q_off = kv_len - q_len  # absolute position of the chunk's first query
+
+    o_m = i_m0 + tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, BLOCK_D)
+    o_n = tl.arange(0, BLOCK_N)
+    o_page = o_n // P_PAD  # [BLOCK_N] page of each lane within the tile
+    o_lane = (o_n % P_PAD).to(tl.int64)  # [BLOCK_N] token of each lane within its page
+    m_m = o_m < q_len
+    m_d = o_d < head_dim
+    o_t = q_off + o_m  # [BLOCK_M] absolute query positions
+
+    p_q = q_ptr + (qo_start + o_m)[:, None] * stride_qt + i_hq * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BM, BD]
+
+    # keys [j_lo, j_hi) are the only ones some row of this block can see
+    j_hi = kv_len
+    if CAUSAL:
+        j_hi = tl.minimum(j_hi, q_off + tl.minimum(i_m0 + BLOCK_M, q_len))
+    j_hi = tl.maximum(j_hi, 0)
+    j_lo = 0
+    if USE_WINDOW:
+        j_lo = tl.maximum(q_off + i_m0 - window + 1, 0)
+    e_lo = j_lo // page_size
+    e_hi = (j_hi + page_size - 1) // page_size
+
+    b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_M], tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    for e0 in range(e_lo, e_hi, NP):
+        o_e = e0 + o_page  # [BLOCK_N] entry (within the row) of each lane
+        o_j = o_e * page_size + o_lane  # [BLOCK_N] absolute key positions
+        m_n = (o_lane < page_size) & (o_j < kv_len)
+        b_slot = tl.load(indices_ptr + row_start + o_e, mask=m_n, other=0).to(tl.int64)
+        # an out-of-range page id reads nothing (the launcher's validate=True reports it)
+        m_n = m_n & (b_slot >= 0) & (b_slot < num_slots)
+        o_kv = b_slot * stride_kv_slot + o_lane * stride_kv_tok + i_hk * stride_kv_head  # [BN]
+        p_k = kv_ptr + o_kv[:, None] + o_d[None, :]
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(p_k, mask=m_kv, other=0.0).to(tl.float32)  # [BN, BD]
+        b_v = tl.load(p_k + stride_kv_kv, mask=m_kv, other=0.0).to(tl.float32)  # [BN, BD]
+
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * sm_scale  # [BM, BN]
+        if SOFTCAP > 0:
+            b_s = _softcap(b_s, SOFTCAP)
+        m_s = m_n[None, :] & m_m[:, None]
+        if CAUSAL:
+            m_s = m_s & (o_j[None, :] <= o_t[:, None])
+        if USE_WINDOW:
+            m_s = m_s & (o_t[:, None] - o_j[None, :] < window)
+        b_s = tl.where(m_s, b_s, float("-inf"))
+
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        # a row that has seen only masked keys keeps max -inf: shift by 0, never exp(-inf - -inf)
+        b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp(b_m - b_shift)
+        b_p = tl.exp(b_s - b_shift[:, None])  # [BM, BN]
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p, b_v, input_precision=DOT_PRECISION)
+        b_m = b_m_new
+
+    b_out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+    p_o = out_ptr + (qo_start + o_m)[:, None] * stride_ot + i_hq * stride_oh + o_d[None, :]
+    tl.store(p_o, b_out, mask=m_m[:, None] & m_d[None, :])
+    tl.store(lse_ptr + (qo_start + o_m) * stride_lt + i_hq * stride_lh, b_lse, mask=m_m)
+
+
+@triton.jit(do_not_specialize=["num_slots", "window"])
+def _prefill_mass_kernel(
+    q_ptr, kv_ptr, items_ptr, qo_indptr_ptr, indices_ptr, row_start_ptr, row_count_ptr,
+    last_len_ptr, lse_ptr, mass_ptr,
+    num_slots, page_size, group, head_dim, sm_scale, window,
+    stride_qt, stride_qh,
+    stride_kv_slot, stride_kv_tok, stride_kv_head,
+    stride_lt, stride_lh, stride_mass_e,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # mass[entry, kv head] = sum over queries and group heads of exp(s - lse), per page
+    i_w = tl.program_id(0).to(tl.int64)
+    i_hk = tl.program_id(1).to(tl.int64)
+    NP: tl.constexpr = BLOCK_N // P_PAD
+    i_b = tl.load(items_ptr + 2 * i_w).to(tl.int64)
+    e0 = tl.load(items_ptr + 2 * i_w + 1).to(tl.int64)
+
+    qo_start = tl.load(qo_indptr_ptr + i_b).to(tl.int64)
+    q_len = tl.load(qo_indptr_ptr + i_b + 1).to(tl.int64) - qo_start
+    row_start = tl.load(row_start_ptr + i_b).to(tl.int64)
+    row_count = tl.load(row_count_ptr + i_b).to(tl.int64)
+    last_len = tl.load(last_len_ptr + i_b).to(tl.int64)
+    kv_len = tl.where(row_count > 0, (row_count - 1) * page_size + last_len, 0)
+    q_off = kv_len - q_len
+
+    o_d = tl.arange(0, BLOCK_D)
+    o_n = tl.arange(0, BLOCK_N)
+    o_page = o_n // P_PAD
+    o_lane = (o_n % P_PAD).to(tl.int64)
+    m_d = o_d < head_dim
+    o_e = e0 + o_page
+    o_j = o_e * page_size + o_lane  # [BLOCK_N] absolute key positions
+    m_n = (o_lane < page_size) & (o_j < kv_len)
+    b_slot = tl.load(indices_ptr + row_start + o_e, mask=m_n, other=0).to(tl.int64)
+    m_n = m_n & (b_slot >= 0) & (b_slot < num_slots)
+    o_kv = b_slot * stride_kv_slot + o_lane * stride_kv_tok + i_hk * stride_kv_head
+    p_k = kv_ptr + o_kv[:, None] + o_d[None, :]
+    b_k = tl.load(p_k, mask=m_n[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BN, BD]
+
+    # query rows [i_lo, i_hi) are the only ones that can see a key of this tile
+    i_lo = 0
+    if CAUSAL:
+        i_lo = tl.maximum(e0 * page_size - q_off, 0)
+    i_hi = q_len
+    if USE_WINDOW:
+        j_last = tl.minimum((e0 + NP) * page_size, kv_len) - 1
+        i_hi = tl.minimum(i_hi, tl.maximum(j_last + window - q_off, 0))
+
+    b_mass = tl.zeros([BLOCK_N], tl.float32)
+    for g in range(0, group):
+        i_hq = i_hk * group + g
+        for m0 in range(i_lo, i_hi, BLOCK_M):
+            o_m = m0 + tl.arange(0, BLOCK_M)
+            m_m = o_m < q_len
+            o_t = q_off + o_m
+            p_q = q_ptr + (qo_start + o_m)[:, None] * stride_qt + i_hq * stride_qh + o_d[None, :]
+            b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            b_lse = tl.load(lse_ptr + (qo_start + o_m) * stride_lt + i_hq * stride_lh, mask=m_m,
+                            other=float("inf"))  # [BM]
+            b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse)  # masked row: mass 0
+
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * sm_scale  # [BM, BN]
+            if SOFTCAP > 0:
+                b_s = _softcap(b_s, SOFTCAP)
+            m_s = m_n[None, :] & m_m[:, None]
+            if CAUSAL:
+                m_s = m_s & (o_j[None, :] <= o_t[:, None])
+            if USE_WINDOW:
+                m_s = m_s & (o_t[:, None] - o_j[None, :] < window)
+            b_s = tl.where(m_s, b_s, float("-inf"))
+            b_p = tl.exp(b_s - b_lse[:, None])  # [BM, BN]
+            b_mass += tl.sum(b_p, axis=0)
+
+    b_page = tl.sum(tl.reshape(b_mass, (NP, P_PAD)), axis=1)  # [NP]
+    o_pe = e0 + tl.arange(0, NP)
+    tl.store(mass_ptr + (row_start + o_pe) * stride_mass_e + i_hk, b_page, mask=o_pe < row_count)
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    """Result of :func:`paged_prefill`.
+
+    Attributes:
+        out: ``[total_q, H_q, D]`` fp32 attention output.
+        lse: ``[total_q, H_q]`` fp32 natural-log LSE of the scaled scores (``-inf`` for a row
+            that sees no key).
+        page_mass: ``[nnz, H_kv]`` fp32 aligned with ``page_table.indices``: softmax
+            probability summed over the page's tokens, the chunk's queries and the group's query
+            heads (sums to ``q_len * G`` per sequence and KV head when no row is fully masked).
+            ``None`` unless requested; entries outside every row are 0.
+    """
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    page_mass: torch.Tensor | None = None
+
+
+def _check_prefill_inputs(q, kv_pool, page_table, qo_indptr, sliding_window):
+    check_tensor("q", q, ndim=3, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    check_pool("kv_pool", kv_pool)
+    if kv_pool.dtype != q.dtype:
+        raise KernelInputError(
+            f"q has dtype {q.dtype} but kv_pool has {kv_pool.dtype}; cast q to the pool's dtype."
+        )
+    if kv_pool.device != q.device:
+        raise KernelInputError(f"kv_pool is on {kv_pool.device} but q is on {q.device}.")
+    if not isinstance(page_table, PageTable):
+        raise KernelInputError(
+            "page_table must be a PageTable; build it with PageTable.from_csr(indptr, indices, "
+            "last_page_len) or PageTable.from_padded(table, kv_lens, page_size)."
+        )
+    if page_table.device != q.device:
+        raise KernelInputError(f"page_table is on {page_table.device} but q is on {q.device}.")
+    check_tensor("qo_indptr", qo_indptr, ndim=1, device=q.device)
+    if qo_indptr.dtype != INDEX_DTYPE:
+        raise KernelInputError(
+            f"qo_indptr has dtype {qo_indptr.dtype}; it must be int32: pass "
+            "qo_indptr.to(torch.int32)."
+        )
+    if qo_indptr.numel() < 1:
+        raise KernelInputError("qo_indptr must have B+1 >= 1 entries, got an empty tensor.")
+    _, num_q_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, pool_dim = kv_pool.shape
+    if pool_dim != head_dim:
+        raise KernelInputError(f"q has head dim {head_dim} but kv_pool has {pool_dim}.")
+    group = check_gqa(num_q_heads, num_kv_heads)
+    batch = qo_indptr.numel() - 1
+    if page_table.num_rows != batch:
+        raise KernelInputError(
+            f"page_table has {page_table.num_rows} rows but qo_indptr describes B={batch} "
+            "sequences; prefill takes one page list per sequence, in logical token order."
+        )
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+        or sliding_window < 1
+    ):
+        raise KernelInputError(
+            f"sliding_window must be None or an int >= 1 (keys with t - j < window are seen), "
+            f"got {sliding_window!r}."
+        )
+    return batch, num_q_heads, head_dim, page_size, num_kv_heads, group
+
+
+def _plan(q, page_table, qo_indptr, page_size, block_m, pages_per_tile, validate, need_mass):
+    """Host work list (one device->host copy): ``q_items [n, 2]`` = (sequence, first query row)
+    and, for the page mass, ``kv_items [k, 2]`` = (sequence, first entry of a KV tile)."""
+    batch = qo_indptr.numel() - 1
+    host = torch.cat([qo_indptr, page_table.row_count, page_table.last_page_len]).long().cpu()
+    indptr, count, last = host[:batch + 1], host[batch + 1:2 * batch + 1], host[2 * batch + 1:]
+    q_lens = indptr[1:] - indptr[:-1]
+    if int(indptr[0]) != 0 or (q_lens < 0).any() or int(indptr[-1]) != q.shape[0]:
+        raise KernelInputError(
+            f"qo_indptr must start at 0, be non-decreasing and end at total_q={q.shape[0]} "
+            f"(q.shape[0]); got {indptr.tolist()[:8]}{' ...' if batch > 7 else ''}."
+        )
+    if validate:
+        kv_lens = torch.where(count > 0, (count - 1) * page_size + last, 0)
+        bad = q_lens > kv_lens
+        if bad.any():
+            b = int(torch.nonzero(bad)[0])
+            raise KernelInputError(
+                f"qo_indptr gives sequence {b} q_len={int(q_lens[b])} queries but its page table "
+                f"row holds only kv_len={int(kv_lens[b])} tokens; the chunk's own K/V must be "
+                "written to the pool before prefill (q_len <= kv_len)."
+            )
+
+    def items(per_seq: torch.Tensor, step: int) -> torch.Tensor:
+        n = torch.div(per_seq.clamp(min=0) + step - 1, step, rounding_mode="floor")
+        seq = torch.repeat_interleave(torch.arange(batch), n)
+        first = torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        return torch.stack([seq, (torch.arange(seq.numel()) - first) * step], dim=1)
+
+    q_items = items(q_lens, block_m)
+    kv_items = None
+    if need_mass:
+        kv_items = items(torch.where(q_lens > 0, count, 0), pages_per_tile)
+    to_dev = lambda t: t.to(device=q.device, dtype=INDEX_DTYPE).contiguous()
+    return to_dev(q_items), (to_dev(kv_items) if kv_items is not None else None)
+
+
+def paged_prefill_reference(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    page_table: PageTable,
+    qo_indptr: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_page_mass: bool = False,
+    compute_dtype: torch.dtype | None = None,
+) -> PrefillOutput:
+    """Plain-torch :func:`paged_prefill`, one sequence at a time: gather, mask, softmax, sum.
+
+    Computes in ``compute_dtype`` (default: fp32, or fp64 for fp64 inputs) and returns tensors
+    of that dtype.
+    """
+    total_q, hq, d = q.shape
+    _, _, page_size, hkv, _ = kv_pool.shape
+    group = hq // hkv
+    dt = compute_dtype or torch.promote_types(q.dtype, torch.float32)
+    scale = check_sm_scale(sm_scale, d)
+    cap = check_softcap(softcap)
+    out = torch.zeros(total_q, hq, d, dtype=dt, device=q.device)
+    lse = torch.full((total_q, hq), float("-inf"), dtype=dt, device=q.device)
+    mass = torch.zeros(page_table.indices.numel(), hkv, dtype=dt, device=q.device)
+    bounds = qo_indptr.tolist()
+    starts, counts = page_table.row_start.tolist(), page_table.row_count.tolist()
+    lasts = page_table.last_page_len.tolist()
+    for b, (start, count, last) in enumerate(zip(starts, counts, lasts)):
+        q0, q1 = bounds[b], bounds[b + 1]
+        if q1 == q0:
+            continue
+        slots = page_table.indices[start:start + count].long()
+        n_tok = (count - 1) * page_size + last if count > 0 else 0
+        keys = kv_pool[slots, 0].to(dt).reshape(count * page_size, hkv, d)[:n_tok]
+        values = kv_pool[slots, 1].to(dt).reshape(count * page_size, hkv, d)[:n_tok]
+        keys = keys.repeat_interleave(group, dim=1)  # [n_tok, H_q, D]
+        values = values.repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[q0:q1].to(dt), keys) * scale  # [H_q, q_len, n_tok]
+        if cap:
+            s = cap * torch.tanh(s / cap)
+        pos_q = torch.arange(n_tok - (q1 - q0), n_tok, device=q.device)
+        pos_k = torch.arange(n_tok, device=q.device)
+        visible = torch.ones(q1 - q0, n_tok, dtype=torch.bool, device=q.device)
+        if causal:
+            visible &= pos_k[None, :] <= pos_q[:, None]
+        if sliding_window is not None:
+            visible &= pos_q[:, None] - pos_k[None, :] < sliding_window
+        s = s.masked_fill(~visible, float("-inf"))
+        row_lse = torch.logsumexp(s, dim=-1)  # [H_q, q_len]
+        p = torch.exp(s - torch.where(torch.isinf(row_lse), 0, row_lse)[..., None])
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", p, values)
+        lse[q0:q1] = row_lse.T
+        if count > 0:
+            p = torch.nn.functional.pad(p, (0, count * page_size - n_tok))
+            per_page = p.reshape(hkv, group, q1 - q0, count, page_size).sum(dim=(1, 2, 4))
+            mass[start:start + count] = per_page.T
+    return PrefillOutput(out, lse, mass if return_page_mass else None)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    page_table: PageTable,
+    qo_indptr: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    return_page_mass: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    validate: bool = True,
+    block_m: int = 64,
+    block_n: int = 64,
+    backend: Backend | None = None,
+) -> PrefillOutput:
+    """Attention of prompt chunks (ragged batch) over their sequences' paged KV.
+
+    Query ``i`` of sequence ``b`` sits at position ``kv_len_b - q_len_b + i`` and sees key ``j``
+    iff ``(not causal or j <= t)`` and ``(sliding_window is None or t - j < sliding_window)``.
+
+    Args:
+        q: ``[total_q, H_q, D]`` queries (post-RoPE), fp16/bf16/fp32, same dtype as the pool;
+            rows ``qo_indptr[b]:qo_indptr[b+1]`` belong to sequence ``b``.
+        kv_pool: ``[num_slots, 2, page_size, H_kv, D]``: K (index 0) and V (index 1) of a page;
+            already holds the chunk's own K/V.
+        page_table: one row per sequence (``R = B``), entries in logical token order; only a
+            row's last entry may be partly filled.
+        qo_indptr: ``[B+1]`` int32 query offsets (``qo_indptr[0] == 0``, ``qo_indptr[B] ==
+            total_q``); read on the host once (the plan).
+        sm_scale: score scale (default ``D ** -0.5``).
+        causal: mask keys after the query's position.
+        sliding_window: optional window ``w >= 1``: keys with ``t - j >= w`` are masked.
+        softcap: optional logit softcap ``c``: scores become ``c * tanh(s / c)`` before masking.
+        return_page_mass: also return the per-entry attention mass (a second pass).
+        out: optional ``[total_q, H_q, D]`` fp32 output buffer.
+        lse: optional ``[total_q, H_q]`` fp32 LSE buffer.
+        validate: check every page id and length (``q_len <= kv_len``) on the host.
+        block_m: query rows per program (power of two, at least 16).
+        block_n: tokens per KV tile (power of two; raised to the padded page size if smaller).
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
+
+    Returns:
+        :class:`PrefillOutput` with ``out [total_q, H_q, D]`` and ``lse [total_q, H_q]`` (fp32)
+        and optionally ``page_mass [nnz, H_kv]`` (fp32).
+    """
+    batch, hq, d, page_size, hkv, group = _check_prefill_inputs(
+        q, kv_pool, page_table, qo_indptr, sliding_window)
+    scale = check_sm_scale(sm_scale, d)
+    cap = check_softcap(softcap)
+    for name, val in (("block_m", block_m), ("block_n", block_n)):
+        if not isinstance(val, int) or val < 1 or val & (val - 1):
+            raise KernelInputError(f"{name} must be a power of two, got {val!r}.")
+    total_q = q.shape[0]
+    out = check_out("out", out, (total_q, hq, d), torch.float32, q.device)
+    lse = check_out("lse", lse, (total_q, hq), torch.float32, q.device)
+    if validate:
+        page_table.validate(kv_pool.shape[0], page_size)
+    causal = bool(causal)
+    p_pad = next_pow2(page_size)
+    block_m = max(block_m, 16)
+    block_n = max(block_n, p_pad, 16)
+    q_items, kv_items = _plan(q, page_table, qo_indptr, page_size, block_m, block_n // p_pad,
+                              validate, return_page_mass)
+
+    if resolve_backend(backend, q, kv_pool) == "torch":
+        ref = paged_prefill_reference(
+            q, kv_pool, page_table, qo_indptr, sm_scale=scale, causal=causal,
+            sliding_window=sliding_window, softcap=cap, return_page_mass=return_page_mass)
+        out.copy_(ref.out)
+        lse.copy_(ref.lse)
+        mass = ref.page_mass.float() if ref.page_mass is not None else None
+        return PrefillOutput(out, lse, mass)
+
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    qo_indptr = qo_indptr.contiguous()
+    out_k = out if out.stride(-1) == 1 else torch.empty(total_q, hq, d, dtype=torch.float32,
+                                                        device=q.device)
+    common = dict(
+        CAUSAL=causal, USE_WINDOW=sliding_window is not None, SOFTCAP=cap,
+        P_PAD=p_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
+    window = sliding_window or 0
+    tables = (qo_indptr, page_table.indices, page_table.row_start, page_table.row_count,
+              page_table.last_page_len)
+    if q_items.shape[0] > 0:
+        _prefill_fwd_kernel[(q_items.shape[0], hq)](
+            q, kv_pool, q_items, *tables, out_k, lse,
+            kv_pool.shape[0], page_size, group, d, scale, window,
+            q.stride(0), q.stride(1),
+            kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
+            out_k.stride(0), out_k.stride(1), lse.stride(0), lse.stride(1),
+            **common,
+        )
+    if out_k.data_ptr() != out.data_ptr():
+        out.copy_(out_k)
+
+    mass = None
+    if return_page_mass:
+        mass = torch.zeros(page_table.indices.numel(), hkv, dtype=torch.float32, device=q.device)
+        if kv_items.shape[0] > 0:
+            _prefill_mass_kernel[(kv_items.shape[0], hkv)](
+                q, kv_pool, kv_items, *tables, lse, mass,
+                kv_pool.shape[0], page_size, group, d, scale, window,
+                q.stride(0), q.stride(1),
+                kv_pool.stride(0), kv_pool.stride(2), kv_pool.stride(3),
+                lse.stride(0), lse.stride(1), mass.stride(0),
+                **common,
+            )
+    return PrefillOutput(out, lse, mass)
