@@ -23,18 +23,15 @@ from tierattn.errors import KernelInputError
 from ._common import (
     _softcap,
     Backend,
-    check_gqa,
     check_out,
-    check_pool,
     check_sm_scale,
     check_softcap,
-    check_tensor,
     dot_precision,
     next_pow2,
     resolve_backend,
 )
 from .merge import _merge_kernel
-from .page_table import PageTable
+from .page_table import PageTable, check_paged_attention_args
 
 __all__ = ["DecodeOutput", "sparse_decode", "sparse_decode_reference", "auto_num_splits"]
 
@@ -195,34 +192,16 @@ def auto_num_splits(num_programs: int, avg_pages: float, page_size: int,
     return max(1, min(want, longest_useful, MAX_AUTO_SPLITS))
 
 
-def _check_decode_inputs(q, kv_pool, page_table, out, lse):
-    check_tensor("q", q, ndim=3, dtypes=(torch.float16, torch.bfloat16, torch.float32))
-    check_pool("kv_pool", kv_pool)
-    if kv_pool.dtype != q.dtype:
-        raise KernelInputError(
-            f"q has dtype {q.dtype} but kv_pool has {kv_pool.dtype}; cast q to the pool's dtype."
-        )
-    if kv_pool.device != q.device:
-        raise KernelInputError(f"kv_pool is on {kv_pool.device} but q is on {q.device}.")
-    if not isinstance(page_table, PageTable):
-        raise KernelInputError(
-            "page_table must be a PageTable; build it with PageTable.from_csr(indptr, indices, "
-            "last_page_len) or PageTable.from_padded(table, kv_lens, page_size)."
-        )
-    if page_table.device != q.device:
-        raise KernelInputError(f"page_table is on {page_table.device} but q is on {q.device}.")
-    batch, num_q_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, pool_dim = kv_pool.shape
-    if pool_dim != head_dim:
-        raise KernelInputError(f"q has head dim {head_dim} but kv_pool has {pool_dim}.")
-    group = check_gqa(num_q_heads, num_kv_heads)
+def _check_decode_inputs(q, kv_pool, page_table):
+    hq, d, page_size, group = check_paged_attention_args(q, kv_pool, page_table)
+    batch, num_kv_heads = q.shape[0], kv_pool.shape[3]
     rows = page_table.num_rows
     if rows not in (batch, batch * num_kv_heads):
         raise KernelInputError(
             f"page_table has {rows} rows; expected B={batch} (one page list per sequence) or "
             f"B*H_kv={batch * num_kv_heads} (one per sequence and KV head)."
         )
-    return batch, num_q_heads, head_dim, page_size, num_kv_heads, group, rows != batch
+    return batch, hq, d, page_size, num_kv_heads, group, rows != batch
 
 
 def sparse_decode_reference(
@@ -317,7 +296,7 @@ def sparse_decode(
         optionally ``page_mass``.
     """
     batch, hq, d, page_size, hkv, group, head_rows = _check_decode_inputs(
-        q, kv_pool, page_table, out, lse)
+        q, kv_pool, page_table)
     scale = check_sm_scale(sm_scale, d)
     cap = check_softcap(softcap)
     if num_splits is None or num_splits == "auto":

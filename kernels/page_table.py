@@ -22,9 +22,9 @@ import torch
 
 from tierattn.errors import KernelInputError
 
-from ._common import INDEX_DTYPE, check_tensor
+from ._common import FLOAT_DTYPES, INDEX_DTYPE, check_gqa, check_pool, check_tensor
 
-__all__ = ["PageTable"]
+__all__ = ["PageTable", "check_paged_attention_args"]
 
 
 def _index(name: str, t: object, ndim: int) -> torch.Tensor:
@@ -170,3 +170,34 @@ class PageTable:
                 raise KernelInputError(
                     f"page_table: page id {int(used[bad][0])} is out of range for a pool of "
                     f"{num_slots} slots (valid ids: 0..num_slots-1).")
+
+
+def check_paged_attention_args(
+    q: object, kv_pool: object, page_table: object
+) -> tuple[int, int, int, int]:
+    """Checks shared by the attention ops: ``q [*, H_q, D]`` (rank 3), a pool of the same dtype,
+    device and head dim, a :class:`PageTable` on that device, ``H_q % H_kv == 0``.
+
+    Returns:
+        ``(H_q, D, page_size, group)``.
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_pool("kv_pool", kv_pool)
+    if kv_pool.dtype != q.dtype:
+        raise KernelInputError(
+            f"q has dtype {q.dtype} but kv_pool has {kv_pool.dtype}; cast q to the pool's dtype."
+        )
+    if kv_pool.device != q.device:
+        raise KernelInputError(f"kv_pool is on {kv_pool.device} but q is on {q.device}.")
+    if not isinstance(page_table, PageTable):
+        raise KernelInputError(
+            "page_table must be a PageTable; build it with PageTable.from_csr(indptr, indices, "
+            "last_page_len) or PageTable.from_padded(table, kv_lens, page_size)."
+        )
+    if page_table.device != q.device:
+        raise KernelInputError(f"page_table is on {page_table.device} but q is on {q.device}.")
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    page_size, num_kv_heads, pool_dim = kv_pool.shape[2:]
+    if pool_dim != head_dim:
+        raise KernelInputError(f"q has head dim {head_dim} but kv_pool has {pool_dim}.")
+    return num_q_heads, head_dim, page_size, check_gqa(num_q_heads, num_kv_heads)

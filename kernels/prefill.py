@@ -24,9 +24,7 @@ from ._common import (
     _softcap,
     Backend,
     INDEX_DTYPE,
-    check_gqa,
     check_out,
-    check_pool,
     check_sm_scale,
     check_softcap,
     check_tensor,
@@ -34,7 +32,7 @@ from ._common import (
     next_pow2,
     resolve_backend,
 )
-from .page_table import PageTable
+from .page_table import PageTable, check_paged_attention_args
 
 __all__ = ["PrefillOutput", "paged_prefill", "paged_prefill_reference"]
 
@@ -232,21 +230,7 @@ class PrefillOutput:
 
 
 def _check_prefill_inputs(q, kv_pool, page_table, qo_indptr, sliding_window):
-    check_tensor("q", q, ndim=3, dtypes=(torch.float16, torch.bfloat16, torch.float32))
-    check_pool("kv_pool", kv_pool)
-    if kv_pool.dtype != q.dtype:
-        raise KernelInputError(
-            f"q has dtype {q.dtype} but kv_pool has {kv_pool.dtype}; cast q to the pool's dtype."
-        )
-    if kv_pool.device != q.device:
-        raise KernelInputError(f"kv_pool is on {kv_pool.device} but q is on {q.device}.")
-    if not isinstance(page_table, PageTable):
-        raise KernelInputError(
-            "page_table must be a PageTable; build it with PageTable.from_csr(indptr, indices, "
-            "last_page_len) or PageTable.from_padded(table, kv_lens, page_size)."
-        )
-    if page_table.device != q.device:
-        raise KernelInputError(f"page_table is on {page_table.device} but q is on {q.device}.")
+    num_q_heads, head_dim, page_size, group = check_paged_attention_args(q, kv_pool, page_table)
     check_tensor("qo_indptr", qo_indptr, ndim=1, device=q.device)
     if qo_indptr.dtype != INDEX_DTYPE:
         raise KernelInputError(
@@ -255,11 +239,7 @@ def _check_prefill_inputs(q, kv_pool, page_table, qo_indptr, sliding_window):
         )
     if qo_indptr.numel() < 1:
         raise KernelInputError("qo_indptr must have B+1 >= 1 entries, got an empty tensor.")
-    _, num_q_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, pool_dim = kv_pool.shape
-    if pool_dim != head_dim:
-        raise KernelInputError(f"q has head dim {head_dim} but kv_pool has {pool_dim}.")
-    group = check_gqa(num_q_heads, num_kv_heads)
+    num_kv_heads = kv_pool.shape[3]
     batch = qo_indptr.numel() - 1
     if page_table.num_rows != batch:
         raise KernelInputError(
