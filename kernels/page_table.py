@@ -133,11 +133,18 @@ class PageTable:
         return PageTable(*(t.to(device) for t in
                            (self.indices, self.row_start, self.row_count, self.last_page_len)))
 
-    def validate(self, num_slots: int, page_size: int) -> None:
+    def validate(self, num_ids: int, page_size: int | None, *,
+                 ids: str = "pool slots") -> None:
         """Check every value (reads the table on the host: one sync on CUDA).
 
+        Args:
+            num_ids: ids must lie in ``0..num_ids-1`` (pool slots, or metadata rows).
+            page_size: checks ``last_page_len`` against it; None skips that check (scoring
+                reads no tokens).
+            ids: what the ids index, for the message.
+
         Raises:
-            KernelInputError: naming the offending row, entry or slot.
+            KernelInputError: naming the offending row, entry or id.
         """
         start, count = self.row_start.long().cpu(), self.row_count.long().cpu()
         last = self.last_page_len.long().cpu()
@@ -147,30 +154,35 @@ class PageTable:
             raise KernelInputError(
                 f"page_table: row {r} has a negative page count {int(count[r])} "
                 "(indptr must be non-decreasing; kv_lens must be >= 0).")
-        if (last < 0).any():
+        if page_size is not None and (last < 0).any():
             r = int(torch.nonzero(last < 0)[0])
             raise KernelInputError(
                 f"page_table: row {r} has a negative length {int(last[r])} "
                 "(kv_lens and last_page_len must be >= 0).")
-        if (start < 0).any() or (start + count > idx.numel()).any():
-            r = int(torch.nonzero((start < 0) | (start + count > idx.numel()))[0])
+        outside = (start < 0) | (start + count > idx.numel())
+        if outside.any():
+            r = int(torch.nonzero(outside)[0])
             raise KernelInputError(
                 f"page_table: row {r} spans entries [{int(start[r])}, {int(start[r] + count[r])}) "
                 f"outside indices of length {idx.numel()}.")
-        bad_last = ((count > 0) & ((last < 1) | (last > page_size))) | ((count == 0) & (last != 0))
-        if bad_last.any():
-            r = int(torch.nonzero(bad_last)[0])
-            raise KernelInputError(
-                f"page_table: last_page_len[{r}]={int(last[r])} is invalid: it must be in "
-                f"1..{page_size} for a row with pages and 0 for an empty row.")
-        if count.sum() > 0:
-            used = torch.cat([idx[int(s): int(s + c)] for s, c in zip(start, count) if c > 0])
-            bad = (used < 0) | (used >= num_slots)
-            if bad.any():
+        if page_size is not None:
+            bad_last = ((count > 0) & ((last < 1) | (last > page_size))) | \
+                ((count == 0) & (last != 0))
+            if bad_last.any():
+                r = int(torch.nonzero(bad_last)[0])
                 raise KernelInputError(
-                    f"page_table: page id {int(used[bad][0])} is out of range for a pool of "
-                    f"{num_slots} slots (valid ids: 0..num_slots-1).")
-
+                    f"page_table: last_page_len[{r}]={int(last[r])} is invalid: it must be in "
+                    f"1..{page_size} for a row with pages and 0 for an empty row.")
+        # entries covered by some row: +1 at each row's start, -1 past its end, prefix-summed
+        cover = torch.zeros(idx.numel() + 1, dtype=torch.long)
+        cover.index_add_(0, start, torch.ones_like(start))
+        cover.index_add_(0, start + count, -torch.ones_like(start))
+        bad = (cover.cumsum(0)[:-1] > 0) & ((idx < 0) | (idx >= num_ids))
+        if bad.any():
+            e = int(torch.nonzero(bad)[0])
+            raise KernelInputError(
+                f"page_table: page id {int(idx[e])} (indices[{e}]) is out of range for "
+                f"{num_ids} {ids} (valid ids: 0..{num_ids - 1}).")
 
 def check_paged_attention_args(
     q: object, kv_pool: object, page_table: object
