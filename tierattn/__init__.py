@@ -5,8 +5,23 @@ Nothing happens at import time: no patching, no kernel compilation, no device al
 
 from __future__ import annotations
 
-from tierattn.errors import KernelInputError, KernelUnsupportedError, TierAttnError
+from tierattn.errors import (
+    KernelInputError,
+    KernelUnsupportedError,
+    KVCapacityError,
+    KVFileError,
+    TierAttnError,
+    TierConfigError,
+)
 
 __version__ = "0.1.0"
 
-__all__ = ["KernelInputError", "KernelUnsupportedError", "TierAttnError", "__version__"]
+__all__ = [
+    "KVCapacityError",
+    "KVFileError",
+    "KernelInputError",
+    "KernelUnsupportedError",
+    "TierAttnError",
+    "TierConfigError",
+    "__version__",
+]

@@ -18,3 +18,15 @@ class KernelInputError(TierAttnError, ValueError):
 
 class KernelUnsupportedError(TierAttnError, NotImplementedError):
     """A valid request that this build cannot serve (backend, head dim, device)."""
+
+
+class TierConfigError(TierAttnError, ValueError):
+    """A TierConfig knob, or a combination of knobs, is invalid; the message names the knob."""
+
+
+class KVCapacityError(TierAttnError, MemoryError):
+    """The configured tiers cannot hold the KV cache (at construction, or when all are full)."""
+
+
+class KVFileError(TierAttnError, ValueError):
+    """A KV file (disk tier page or saved cache) failed validation; nothing was loaded."""
