@@ -6,11 +6,21 @@ contract and the math are in ``kernels/README.md``. No transformers import here.
 """
 
 from tierattn.kernels.page_copy import copy_pages, copy_pages_reference
-from tierattn.kernels.decode import DecodeOutput, sparse_decode, sparse_decode_reference
+from tierattn.kernels.decode import (
+    DecodeOutput,
+    decode_page_mass,
+    sparse_decode,
+    sparse_decode_reference,
+)
 from tierattn.kernels.merge import merge_state, merge_states, merge_states_reference
 from tierattn.kernels.metadata import page_metadata, page_metadata_reference
 from tierattn.kernels.page_table import PageTable
-from tierattn.kernels.prefill import PrefillOutput, paged_prefill, paged_prefill_reference
+from tierattn.kernels.prefill import (
+    PrefillOutput,
+    paged_prefill,
+    paged_prefill_mass,
+    paged_prefill_reference,
+)
 from tierattn.kernels.score import quest_score, quest_score_reference
 
 __all__ = [
@@ -19,12 +29,14 @@ __all__ = [
     "PrefillOutput",
     "copy_pages",
     "copy_pages_reference",
+    "decode_page_mass",
     "merge_state",
     "merge_states",
     "merge_states_reference",
     "page_metadata",
     "page_metadata_reference",
     "paged_prefill",
+    "paged_prefill_mass",
     "paged_prefill_reference",
     "quest_score",
     "quest_score_reference",

@@ -23,6 +23,8 @@ from tierattn.errors import KernelInputError
 from ._common import (
     _softcap,
     Backend,
+    check_gqa,
+    check_tensor,
     check_out,
     check_sm_scale,
     check_softcap,
@@ -33,7 +35,13 @@ from ._common import (
 from .merge import _merge_kernel
 from .page_table import PageTable, check_paged_attention_args
 
-__all__ = ["DecodeOutput", "sparse_decode", "sparse_decode_reference", "auto_num_splits"]
+__all__ = [
+    "DecodeOutput",
+    "auto_num_splits",
+    "decode_page_mass",
+    "sparse_decode",
+    "sparse_decode_reference",
+]
 
 #: largest split count "auto" picks; explicit counts may be larger.
 MAX_AUTO_SPLITS = 16
@@ -171,11 +179,16 @@ class DecodeOutput:
             (sequence, KV head)), aligned with ``page_table.indices``: softmax probability summed
             over the page's tokens and the group's query heads (sums to ``G`` per row and KV
             head). ``None`` unless requested; entries outside every row are 0.
+        page_lse: ``[nnz, H_q]`` (rows per sequence) or ``[nnz, G]`` (rows per (sequence, KV
+            head)) fp32 log-sum-exp of each page's scores per query head (``-inf`` outside every
+            row), returned with ``page_mass``. :func:`decode_page_mass` turns it into the mass
+            under another LSE, e.g. the merged LSE of several partial states.
     """
 
     out: torch.Tensor
     lse: torch.Tensor
     page_mass: torch.Tensor | None = None
+    page_lse: torch.Tensor | None = None
 
 
 def auto_num_splits(num_programs: int, avg_pages: float, page_size: int,
@@ -230,6 +243,8 @@ def sparse_decode_reference(
     lse = torch.full((batch, hq), float("-inf"), dtype=dt, device=q.device)
     nnz = page_table.indices.numel()
     mass = torch.zeros((nnz,) if head_rows else (nnz, hkv), dtype=dt, device=q.device)
+    page_lse = torch.full((nnz, group if head_rows else hq), float("-inf"), dtype=dt,
+                          device=q.device)
     starts, counts = page_table.row_start.tolist(), page_table.row_count.tolist()
     lasts = page_table.last_page_len.tolist()
     for r, (start, count, last) in enumerate(zip(starts, counts, lasts)):
@@ -251,11 +266,18 @@ def sparse_decode_reference(
             lse[b, qh] = row_lse
             per_page = torch.nn.functional.pad(p, (0, count * page_size - n_tok))
             page_mass = per_page.reshape(group, count, page_size).sum(dim=(0, 2))
+            s_pages = torch.nn.functional.pad(s, (0, count * page_size - n_tok),
+                                              value=float("-inf"))
+            plse = torch.logsumexp(s_pages.reshape(group, count, page_size), dim=-1).T
             if head_rows:
                 mass[start:start + count] = page_mass
+                page_lse[start:start + count] = plse
             else:
                 mass[start:start + count, h] = page_mass
-    return DecodeOutput(out, lse, mass if return_page_mass else None)
+                page_lse[start:start + count, qh] = plse
+    if not return_page_mass:
+        return DecodeOutput(out, lse)
+    return DecodeOutput(out, lse, mass, page_lse)
 
 
 def sparse_decode(
@@ -312,15 +334,15 @@ def sparse_decode(
     if validate:
         page_table.validate(kv_pool.shape[0], page_size)
     nnz = page_table.indices.numel()
-    mass_shape = (nnz,) if head_rows else (nnz, hkv)
 
     if resolve_backend(backend, q, kv_pool) == "torch":
         ref = sparse_decode_reference(q, kv_pool, page_table, sm_scale=scale, softcap=cap,
                                       return_page_mass=return_page_mass)
         out.copy_(ref.out)
         lse.copy_(ref.lse)
-        mass = ref.page_mass.float() if ref.page_mass is not None else None
-        return DecodeOutput(out, lse, mass)
+        if not return_page_mass:
+            return DecodeOutput(out, lse)
+        return DecodeOutput(out, lse, ref.page_mass.float(), ref.page_lse.float())
 
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -336,8 +358,8 @@ def sparse_decode(
         part_o = torch.empty(splits, batch, hq, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(splits, batch, hq, dtype=torch.float32, device=q.device)
     cols = group if head_rows else hq
-    page_lse = torch.empty(nnz, cols, dtype=torch.float32, device=q.device) if return_page_mass \
-        else part_lse  # never written when RETURN_MASS is off
+    page_lse = torch.full((nnz, cols), float("-inf"), dtype=torch.float32, device=q.device) \
+        if return_page_mass else part_lse  # never written when RETURN_MASS is off
     block_g = max(16, next_pow2(group))
     block_d = max(16, next_pow2(d))
     if batch > 0 and hkv > 0:
@@ -372,13 +394,66 @@ def sparse_decode(
         if lse2.data_ptr() != lse.data_ptr():
             lse.copy_(lse2.view(batch, hq))
 
-    mass = None
-    if return_page_mass:
-        mass = torch.zeros(mass_shape, dtype=torch.float32, device=q.device)
-        if batch > 0 and hkv > 0:
-            _decode_mass_kernel[(batch, hkv)](
-                lse.contiguous(), page_table.row_start, page_table.row_count, page_lse, mass,
-                group, hkv, hq, page_lse.stride(0), 1 if head_rows else mass.stride(0),
-                HEAD_ROWS=head_rows, BLOCK_E=64, BLOCK_G=next_pow2(group),
-            )
-    return DecodeOutput(out, lse, mass)
+    if not return_page_mass:
+        return DecodeOutput(out, lse)
+    mass = decode_page_mass(page_lse, lse, page_table, hkv, backend="triton")
+    return DecodeOutput(out, lse, mass, page_lse)
+
+
+def decode_page_mass(
+    page_lse: torch.Tensor,
+    lse: torch.Tensor,
+    page_table: PageTable,
+    num_kv_heads: int,
+    *,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """Per-page attention mass under a given LSE: ``mass = sum_g exp(page_lse_g - lse_g)``.
+
+    Args:
+        page_lse: ``[nnz, H_q]`` or ``[nnz, G]`` from :class:`DecodeOutput` (the layout follows
+            the page table: rows per sequence or per (sequence, KV head)).
+        lse: ``[B, H_q]`` fp32 LSE to normalise by, e.g. the merged LSE of the hot-set and
+            fetched-page partial states (``-inf`` rows give mass 0).
+        page_table: the table ``page_lse`` was computed with.
+        num_kv_heads: ``H_kv``.
+
+    Returns:
+        ``[nnz, H_kv]`` (or ``[nnz]`` for per-head rows) fp32; 0 outside every row.
+    """
+    check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,))
+    batch, hq = lse.shape
+    check_gqa(hq, num_kv_heads)
+    group = hq // num_kv_heads
+    head_rows = page_table.num_rows != batch
+    if page_table.num_rows not in (batch, batch * num_kv_heads):
+        raise KernelInputError(
+            f"page_table has {page_table.num_rows} rows; expected B={batch} or "
+            f"B*H_kv={batch * num_kv_heads} (lse is [B, H_q]).")
+    nnz = page_table.indices.numel()
+    check_tensor("page_lse", page_lse, shape=(nnz, group if head_rows else hq),
+                 dtypes=(torch.float32,), device=lse.device)
+    mass = torch.zeros((nnz,) if head_rows else (nnz, num_kv_heads), dtype=torch.float32,
+                       device=lse.device)
+    if resolve_backend(backend, lse) == "torch":
+        starts, counts = page_table.row_start.tolist(), page_table.row_count.tolist()
+        for r, (start, count) in enumerate(zip(starts, counts)):
+            for h in ([r % num_kv_heads] if head_rows else range(num_kv_heads)):
+                b = r // num_kv_heads if head_rows else r
+                qh = slice(h * group, (h + 1) * group)
+                cols = slice(0, group) if head_rows else qh
+                norm = lse[b, qh]
+                norm = torch.where(torch.isneginf(norm), float("inf"), norm)
+                m = torch.exp(page_lse[start:start + count, cols] - norm).sum(-1)
+                if head_rows:
+                    mass[start:start + count] = m
+                else:
+                    mass[start:start + count, h] = m
+        return mass
+    if batch > 0 and num_kv_heads > 0:
+        _decode_mass_kernel[(batch, num_kv_heads)](
+            lse.contiguous(), page_table.row_start, page_table.row_count, page_lse, mass,
+            group, num_kv_heads, hq, page_lse.stride(0), 1 if head_rows else mass.stride(0),
+            HEAD_ROWS=head_rows, BLOCK_E=64, BLOCK_G=next_pow2(group),
+        )
+    return mass

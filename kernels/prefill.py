@@ -34,7 +34,7 @@ from ._common import (
 )
 from .page_table import PageTable, check_paged_attention_args
 
-__all__ = ["PrefillOutput", "paged_prefill", "paged_prefill_reference"]
+__all__ = ["PrefillOutput", "paged_prefill", "paged_prefill_mass", "paged_prefill_reference"]
 
 
 @triton.jit(do_not_specialize=["num_slots", "window"])
@@ -305,12 +305,14 @@ def paged_prefill_reference(
     sliding_window: int | None = None,
     softcap: float | None = None,
     return_page_mass: bool = False,
+    mass_lse: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
 ) -> PrefillOutput:
     """Plain-torch :func:`paged_prefill`, one sequence at a time: gather, mask, softmax, sum.
 
     Computes in ``compute_dtype`` (default: fp32, or fp64 for fp64 inputs) and returns tensors
-    of that dtype.
+    of that dtype. With ``mass_lse [total_q, H_q]`` the page mass is ``exp(s - mass_lse)``
+    summed (:func:`paged_prefill_mass`) instead of this call's own softmax.
     """
     total_q, hq, d = q.shape
     _, _, page_size, hkv, _ = kv_pool.shape
@@ -349,6 +351,9 @@ def paged_prefill_reference(
         p = torch.exp(s - torch.where(torch.isinf(row_lse), 0, row_lse)[..., None])
         out[q0:q1] = torch.einsum("hqk,khd->qhd", p, values)
         lse[q0:q1] = row_lse.T
+        if mass_lse is not None:
+            norm = mass_lse[q0:q1].T.to(dt)  # [H_q, q_len]; -inf (an empty row) gives mass 0
+            p = torch.exp(s - torch.where(torch.isinf(norm), float("inf"), norm)[..., None])
         if count > 0:
             p = torch.nn.functional.pad(p, (0, count * page_size - n_tok))
             per_page = p.reshape(hkv, group, q1 - q0, count, page_size).sum(dim=(1, 2, 4))
@@ -457,16 +462,84 @@ def paged_prefill(
     if out_k.data_ptr() != out.data_ptr():
         out.copy_(out_k)
 
-    mass = None
-    if return_page_mass:
-        mass = torch.zeros(page_table.indices.numel(), hkv, dtype=torch.float32, device=q.device)
-        if kv_items.shape[0] > 0:
-            _prefill_mass_kernel[(kv_items.shape[0], hkv)](
-                q, kv_pool, kv_items, *tables, lse, mass,
-                kv_pool.shape[0], page_size, group, d, scale, window,
-                q.stride(0), q.stride(1),
-                kv_pool.stride(0), kv_pool.stride(2), kv_pool.stride(3),
-                lse.stride(0), lse.stride(1), mass.stride(0),
-                **common,
-            )
+    mass = _launch_mass(q, kv_pool, page_table, kv_items, tables, lse, scale, window, group,
+                        common) if return_page_mass else None
     return PrefillOutput(out, lse, mass)
+
+
+def _launch_mass(q, kv_pool, page_table, kv_items, tables, lse, scale, window, group, common):
+    hkv, page_size, d = kv_pool.shape[3], kv_pool.shape[2], q.shape[2]
+    mass = torch.zeros(page_table.indices.numel(), hkv, dtype=torch.float32, device=q.device)
+    if kv_items.shape[0] > 0:
+        _prefill_mass_kernel[(kv_items.shape[0], hkv)](
+            q, kv_pool, kv_items, *tables, lse, mass,
+            kv_pool.shape[0], page_size, group, d, scale, window,
+            q.stride(0), q.stride(1),
+            kv_pool.stride(0), kv_pool.stride(2), kv_pool.stride(3),
+            lse.stride(0), lse.stride(1), mass.stride(0),
+            **common,
+        )
+    return mass
+
+
+def paged_prefill_mass(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    page_table: PageTable,
+    qo_indptr: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    validate: bool = True,
+    block_m: int = 64,
+    block_n: int = 64,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """Page mass of a chunk normalised by a given LSE (pass 2 of :func:`paged_prefill` alone).
+
+    When a chunk's attention is split over several page sets (hot pages in one pool, fetched
+    pages in another) and the partial states are merged, each page's share of the attention is
+    ``exp(s - lse_merged)``, which no partial call knows; this recomputes the scores of one
+    page set and normalises them by the merged ``lse``.
+
+    Args:
+        q, kv_pool, page_table, qo_indptr, sm_scale, causal, sliding_window, softcap: as in
+            :func:`paged_prefill` for this page set.
+        lse: ``[total_q, H_q]`` fp32 LSE to normalise by (``-inf`` rows contribute nothing).
+
+    Returns:
+        ``[nnz, H_kv]`` fp32 mass aligned with ``page_table.indices``.
+    """
+    batch, hq, d, page_size, hkv, group = _check_prefill_inputs(
+        q, kv_pool, page_table, qo_indptr, sliding_window)
+    check_tensor("lse", lse, shape=(q.shape[0], hq), dtypes=(torch.float32,), device=q.device)
+    scale = check_sm_scale(sm_scale, d)
+    cap = check_softcap(softcap)
+    for name, val in (("block_m", block_m), ("block_n", block_n)):
+        if not isinstance(val, int) or val < 1 or val & (val - 1):
+            raise KernelInputError(f"{name} must be a power of two, got {val!r}.")
+    if validate:
+        page_table.validate(kv_pool.shape[0], page_size)
+    p_pad = next_pow2(page_size)
+    block_m, block_n = max(block_m, 16), max(block_n, p_pad, 16)
+    _, kv_items = _plan(q, page_table, qo_indptr, page_size, block_m, block_n // p_pad,
+                        validate, True)
+    if resolve_backend(backend, q, kv_pool) == "torch":
+        return paged_prefill_reference(
+            q, kv_pool, page_table, qo_indptr, sm_scale=scale, causal=bool(causal),
+            sliding_window=sliding_window, softcap=cap, return_page_mass=True,
+            mass_lse=lse).page_mass.float()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    common = dict(
+        CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, SOFTCAP=cap,
+        P_PAD=p_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
+    tables = (qo_indptr.contiguous(), page_table.indices, page_table.row_start,
+              page_table.row_count, page_table.last_page_len)
+    return _launch_mass(q, kv_pool, page_table, kv_items, tables, lse, scale,
+                        sliding_window or 0, group, common)

@@ -1,0 +1,208 @@
+"""TierConfig: the orthogonal knobs of the tiered KV cache, and the named presets.
+
+Budgets are per sequence and per layer, in tokens (an ``int``) or as a fraction of the
+sequence's current length (a ``float`` in ``[0, 1]``); the runtime works in whole pages
+(``page_size`` tokens), rounding a token budget up to pages. Invariants, all checked here:
+
+* ``hot_budget`` tokens stay in HBM; the sink pages, the recent window and the page being filled
+  are always hot, whatever the budget;
+* ``evict_budget`` tokens are dropped for good (default 0: **offload never drops KV**);
+* everything else is *demoted*: kept at full precision in the next tier with room.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tierattn.errors import TierConfigError
+
+__all__ = ["PRESETS", "TierConfig", "TierSpec"]
+
+Attend = Literal["all", "topk"]
+Score = Literal["mass", "quest", "hybrid"]
+Prefetch = Literal["layer_ahead", "speculative", "none"]
+EvictPolicy = Literal["h2o", "streaming", "snapkv", "random"]
+TIER_KINDS = ("hbm", "ddr", "cxl", "disk")
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One tier of the hierarchy.
+
+    Attributes:
+        kind: ``"hbm"`` (device pool), ``"ddr"`` (host pool, pinned on CUDA), ``"cxl"`` (host
+            pool with its own bandwidth profile, on ``numa_node`` where the machine has one) or
+            ``"disk"`` (safetensors files under ``path``).
+        capacity_pages: pages per layer this tier may hold; None sizes it from the config
+            (``hbm``: the hot budget of every sequence plus headroom; host tiers: the rest of
+            ``max_context``). Disk capacity is counted in pages as well.
+        path: directory of the disk tier.
+        numa_node: NUMA node of a CXL tier (Linux only; elsewhere it is a plain host pool).
+    """
+
+    kind: str
+    capacity_pages: int | None = None
+    path: str | None = None
+    numa_node: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in TIER_KINDS:
+            raise TierConfigError(f"tiers: kind={self.kind!r} is not one of {TIER_KINDS}.")
+        if self.capacity_pages is not None and (
+                not isinstance(self.capacity_pages, int) or self.capacity_pages < 0):
+            raise TierConfigError(
+                f"tiers: {self.kind} capacity_pages={self.capacity_pages!r} must be an int >= 0 "
+                "or None (sized from the config).")
+        if self.kind == "disk" and not self.path:
+            raise TierConfigError("tiers: a disk tier needs path='DIR' (the page files' folder).")
+
+
+def _tiers(*kinds: str) -> tuple[TierSpec, ...]:
+    return tuple(TierSpec(k) for k in kinds)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Knobs of the tiered KV cache. Build it directly or with :meth:`preset`.
+
+    Attributes:
+        page_size: tokens per page (the unit of scoring, transfer and residency).
+        hot_budget: tokens (int) or fraction (float) of each sequence kept in HBM per layer.
+        evict_budget: tokens (int) or fraction (float) dropped for good; 0 keeps every token.
+        sink_pages: leading pages that are always hot (attention sinks).
+        recent_pages: trailing pages that are always hot (the recent window), besides the
+            page being filled.
+        attend: ``"all"`` fetches every demoted page back before attention (exact);
+            ``"topk"`` attends the hot set plus the ``recall_budget`` best cold pages by the
+            query-aware Quest bound (approximate, less traffic).
+        recall_budget: tokens (int) or fraction (float) of cold pages recalled per step
+            (``attend="topk"`` only).
+        score: importance used for demotion: accumulated attention ``"mass"``, the Quest
+            bound of the latest query (``"quest"``), or ``"hybrid"`` (their normalised sum).
+        evict_policy: which pages eviction drops: ``"h2o"`` (lowest accumulated attention,
+            keeping heavy hitters and the recent window), ``"streaming"`` (everything but sinks
+            and the recent window), ``"snapkv"`` (once, after prefill, by the pooled attention
+            of the prompt's last ``snapkv_window`` queries) or ``"random"``.
+        snapkv_window: observation window (queries) of SnapKV.
+        snapkv_kernel: max-pooling width (pages) of SnapKV's scores.
+        prefetch: ``"layer_ahead"`` (while layer l runs, bring what layer l+1 needs: all its
+            cold pages, or the previous step's top-k selection), ``"speculative"`` (top-k of
+            layer l+1 scored with layer l's query) or ``"none"`` (fetch synchronously).
+        tiers: the hierarchy, fastest first; the first must be ``hbm``.
+        max_context: tokens per sequence the pools are sized for.
+        prefill_chunk_size: most tokens one ``append`` may add per sequence (pool headroom).
+        backend: kernels' backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        seed: seed of the random eviction policy.
+    """
+
+    page_size: int = 16
+    hot_budget: int | float = 1.0
+    evict_budget: int | float = 0
+    sink_pages: int = 1
+    recent_pages: int = 2
+    attend: Attend = "all"
+    recall_budget: int | float = 0.1
+    score: Score = "mass"
+    evict_policy: EvictPolicy = "h2o"
+    snapkv_window: int = 32
+    snapkv_kernel: int = 3
+    prefetch: Prefetch = "layer_ahead"
+    tiers: tuple[TierSpec, ...] = field(default_factory=lambda: _tiers("hbm", "ddr"))
+    max_context: int = 4096
+    prefill_chunk_size: int = 512
+    backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def fail(knob: str, msg: str) -> None:
+            raise TierConfigError(f"{knob}: {msg}")
+
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            fail("page_size", f"must be an int >= 1, got {self.page_size!r}.")
+        for knob in ("hot_budget", "evict_budget", "recall_budget"):
+            v = getattr(self, knob)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                fail(knob, f"must be tokens (int) or a fraction (float), got {v!r}.")
+            if isinstance(v, float) and not 0.0 <= v <= 1.0:
+                fail(knob, f"a fraction must lie in [0, 1], got {v}; pass an int for tokens.")
+            if isinstance(v, int) and v < 0:
+                fail(knob, f"must be >= 0 tokens, got {v}.")
+        if isinstance(self.hot_budget, float) and isinstance(self.evict_budget, float) and \
+                self.hot_budget + self.evict_budget > 1.0 + 1e-9:
+            fail("evict_budget", f"hot_budget {self.hot_budget} + evict_budget "
+                 f"{self.evict_budget} exceed the whole sequence (1.0); lower one of them.")
+        for knob in ("sink_pages", "recent_pages"):
+            v = getattr(self, knob)
+            if not isinstance(v, int) or v < 0:
+                fail(knob, f"must be an int >= 0, got {v!r}.")
+        choices = {"attend": ("all", "topk"), "score": ("mass", "quest", "hybrid"),
+                   "evict_policy": ("h2o", "streaming", "snapkv", "random"),
+                   "prefetch": ("layer_ahead", "speculative", "none"),
+                   "backend": ("auto", "triton", "torch")}
+        for knob, allowed in choices.items():
+            if getattr(self, knob) not in allowed:
+                fail(knob, f"{getattr(self, knob)!r} is not one of {allowed}.")
+        if self.attend == "all" and self.prefetch == "speculative":
+            fail("prefetch", "'speculative' picks pages for attend='topk'; with attend='all' "
+                 "every cold page is fetched, so use prefetch='layer_ahead' or 'none'.")
+        tiers = tuple(self.tiers)
+        if not tiers or tiers[0].kind != "hbm":
+            fail("tiers", "the first tier must be 'hbm' (the device pool), e.g. "
+                 "tiers=(TierSpec('hbm'), TierSpec('ddr')).")
+        kinds = [t.kind for t in tiers]
+        if len(set(kinds)) != len(kinds):
+            fail("tiers", f"each kind may appear once, got {kinds}.")
+        order = [TIER_KINDS.index(k) for k in kinds]
+        if order != sorted(order):
+            fail("tiers", f"tiers must go from fast to slow (hbm, ddr, cxl, disk), got {kinds}.")
+        if len(tiers) == 1 and self.demotes():
+            fail("tiers", "hot_budget keeps only part of the cache in HBM and evict_budget does "
+                 "not drop the rest, but no lower tier is configured; add TierSpec('ddr'), set "
+                 "hot_budget=1.0, or evict the rest (evict_budget=1 - hot_budget).")
+        for knob in ("max_context", "prefill_chunk_size", "snapkv_window", "snapkv_kernel"):
+            v = getattr(self, knob)
+            if not isinstance(v, int) or v < 1:
+                fail(knob, f"must be an int >= 1, got {v!r}.")
+        object.__setattr__(self, "tiers", tiers)
+
+    def demotes(self) -> bool:
+        """True when some tokens may have to live below HBM (neither hot nor evicted)."""
+        hot, evict = self.hot_budget, self.evict_budget
+        if isinstance(hot, float) and isinstance(evict, float):
+            return hot + evict < 1.0 - 1e-9
+        if isinstance(hot, int) and hot >= self.max_context:
+            return False
+        return not (isinstance(hot, float) and hot == 1.0)
+
+    def replace(self, **changes) -> TierConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> TierConfig:
+        """A named configuration; ``overrides`` replace any knob (see :data:`PRESETS`)."""
+        if name not in PRESETS:
+            raise TierConfigError(f"preset: {name!r} is not one of {tuple(PRESETS)}.")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def pages(self, budget: int | float, num_pages: int, num_tokens: int) -> int:
+        """Pages a token/fraction ``budget`` allows for a sequence of ``num_tokens`` tokens."""
+        tokens = budget * num_tokens if isinstance(budget, float) else budget
+        return min(num_pages, -(-int(round(tokens)) // self.page_size) if tokens > 0 else 0)
+
+
+#: Named presets. The eviction presets drop everything that is not hot (``evict_budget`` is
+#: the complement of ``hot_budget``), as the baselines' authors define them.
+PRESETS: dict[str, dict] = {
+    "dense": {"hot_budget": 1.0, "tiers": _tiers("hbm")},
+    "offload": {"hot_budget": 0.5, "attend": "all", "score": "mass"},
+    "topk": {"hot_budget": 0.25, "attend": "topk", "recall_budget": 0.1, "score": "mass"},
+    "evict-h2o": {"hot_budget": 0.5, "evict_budget": 0.5, "evict_policy": "h2o",
+                  "tiers": _tiers("hbm")},
+    "evict-streaming": {"hot_budget": 0.5, "evict_budget": 0.5, "evict_policy": "streaming",
+                        "tiers": _tiers("hbm")},
+    "evict-snapkv": {"hot_budget": 0.5, "evict_budget": 0.5, "evict_policy": "snapkv",
+                     "tiers": _tiers("hbm")},
+}
