@@ -1,0 +1,933 @@
+"""TieredKVCache: the "offload, not evict" KV hierarchy of one model, without transformers.
+
+Per layer, every sequence's KV is a list of logical pages (``page_size`` tokens). Each page is
+*hot* (a slot of the HBM pool), *cold* (a slot of a lower tier: DDR, CXL or disk, at full
+precision) or *evicted* (dropped: only when ``evict_budget > 0``). The calls per layer are:
+
+    cache.update(layer, k, v)        # append the new tokens' K/V (always into hot pages)
+    out = cache.attend(layer, q)     # attention of the new queries over the whole cache
+
+``attend`` runs attention over the hot set (one kernel on the HBM pool) and over the cold pages
+it needs, fetched into a device staging buffer (one page-copy launch per source tier, usually
+already in flight thanks to the layer-ahead prefetcher), merges the two partial states by LSE,
+updates page importance from the kernels' per-page attention mass, and then applies the policy:
+evict down to ``evict_budget``, demote down to ``hot_budget`` (never the sinks, the recent window
+or the page being filled). Sequences advance in lockstep (a batch decodes one token per step, as
+in HF generation with left padding); bookkeeping lives on the host, page data and page metadata
+(Quest ``kmin``/``kmax`` of *every* page) on the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tierattn.config import TierConfig
+from tierattn.errors import KernelInputError, KVCapacityError, KVFileError
+from tierattn.kernels import (
+    PageTable,
+    decode_page_mass,
+    merge_states,
+    page_metadata,
+    paged_prefill,
+    paged_prefill_mass,
+    quest_score,
+    sparse_decode,
+)
+from tierattn.kvfile import read_kv_file, write_kv_file
+from tierattn.telemetry import Telemetry
+from tierattn.tiers import MemoryTier, Tier, build_tier
+from tierattn.transfer import TransferEngine, default_engine
+
+__all__ = ["TieredKVCache", "ring_slot"]
+
+HOT = 0  # tier index of HBM; -1 marks a page that does not exist (evicted or beyond the end)
+NONE = -1
+#: staging buffers in the ring: layer l+1's prefetch lands while layer l reads its own.
+RING = 2
+
+
+def ring_slot(step: int, layer: int, num_layers: int, ring: int = RING) -> int:
+    """Staging buffer of ``layer`` at decode ``step``: consecutive layers, wrapping into the next
+    step, never share a buffer while ``ring >= lookahead + 1``."""
+    return (step * num_layers + layer) % ring
+
+
+@dataclass
+class _Layer:
+    """Host bookkeeping of one layer (``[B, max_pages]`` tensors on the CPU)."""
+
+    tier: torch.Tensor  # int8 tier index, NONE for no page
+    slot: torch.Tensor  # int32 slot within that tier
+    evicted: torch.Tensor  # bool
+    mass: torch.Tensor  # float32 accumulated attention mass (importance)
+    snap: torch.Tensor | None = None  # float32 SnapKV observation-window mass
+    pruned: bool = False  # SnapKV's one-shot eviction done
+    last_q: torch.Tensor | None = None  # [B, H_q, D] latest decode query (Quest importance)
+    selection: list[list[int]] | None = None  # topk: pages recalled at the previous step
+    prefetch: _Prefetch | None = None
+    length: int = 0  # tokens per sequence
+
+
+@dataclass
+class _Prefetch:
+    ticket: object
+    buffer: int
+    pages: list[list[int]]  # per sequence, logical pages in flight
+    slots: list[list[int]]  # their staging slots
+
+
+@dataclass
+class _Staged:
+    """Cold pages of one batch resident in a staging buffer, ready to attend."""
+
+    buffer: int
+    pages: list[list[int]] = field(default_factory=list)
+    slots: list[list[int]] = field(default_factory=list)
+
+
+class TieredKVCache:
+    """KV cache of ``num_layers`` layers over a hierarchy of tiers (see module docstring).
+
+    Args:
+        config: the :class:`~tierattn.config.TierConfig`.
+        num_layers, num_kv_heads, head_dim: model geometry (``H_kv``, ``D``).
+        batch_size: sequences decoded in lockstep.
+        dtype: KV dtype (fp16/bf16/fp32).
+        device: where the HBM pool, staging buffers and metadata live (default: CUDA if
+            available).
+        engine: transfer engine (default: CUDA copy stream on a GPU, synchronous on CPU).
+        fingerprint: identifies the model in disk pages and saved caches.
+        staging_pages: slots per staging buffer (default: every cold page of the batch for
+            ``attend="all"``, the recall budget for ``"topk"``); larger cold sets are attended
+            in several batches and merged.
+    """
+
+    def __init__(self, config: TierConfig, *, num_layers: int, num_kv_heads: int,
+                 head_dim: int, batch_size: int = 1, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device | None = None, engine: TransferEngine | None = None,
+                 fingerprint: str = "tierattn", staging_pages: int | None = None) -> None:
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("batch_size", batch_size)):
+            if not isinstance(v, int) or v < 1:
+                raise KernelInputError(f"{name} must be an int >= 1, got {v!r}.")
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise KernelInputError(f"dtype must be fp16, bf16 or fp32, got {dtype}.")
+        self.config = config
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.batch_size, self.dtype = batch_size, dtype
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.fingerprint = fingerprint
+        self.engine = engine or default_engine(self.device, config.backend)
+        self.backend = config.backend
+        p = self.page_size = config.page_size
+        self.max_pages = math.ceil(config.max_context / p)
+        self.page_shape = (2, p, num_kv_heads, head_dim)
+        self.must_hot = config.sink_pages + config.recent_pages + 1
+        hot_max = max(config.pages(config.hot_budget, self.max_pages, config.max_context),
+                      self.must_hot)
+        headroom = math.ceil(config.prefill_chunk_size / p) + 1
+        if len(config.tiers) == 1 and config.evict_policy == "snapkv":
+            hot_max = self.max_pages  # SnapKV holds the whole prompt until it compresses it
+        default_capacity = {
+            "hbm": batch_size * min(self.max_pages, hot_max + headroom),
+            "ddr": batch_size * self.max_pages, "cxl": batch_size * self.max_pages,
+            "disk": batch_size * self.max_pages}
+        self.tiers: list[Tier] = []
+        for spec in config.tiers:
+            cap = spec.capacity_pages if spec.capacity_pages is not None else \
+                default_capacity[spec.kind]
+            self.tiers.append(build_tier(spec, num_layers=num_layers, capacity=cap,
+                                         page_shape=self.page_shape, dtype=dtype,
+                                         device=self.device, fingerprint=fingerprint))
+        self.hbm: MemoryTier = self.tiers[0]  # type: ignore[assignment]
+        cold_max = batch_size * max(0, self.max_pages - self.must_hot)
+        if staging_pages is None:
+            recall = config.pages(config.recall_budget, self.max_pages, config.max_context)
+            staging_pages = cold_max if config.attend == "all" else batch_size * max(1, recall)
+        self.staging_pages = max(1, min(staging_pages, max(1, cold_max)))
+        staging_tier = MemoryTier("staging", 1, RING * self.staging_pages, self.page_shape,
+                                  dtype, self.device)
+        self.staging = staging_tier.pools[0].view(RING, self.staging_pages, *self.page_shape)
+        b, mp = batch_size, self.max_pages
+        self.kmin = torch.zeros(num_layers, b * mp, num_kv_heads, head_dim, dtype=dtype,
+                                device=self.device)
+        self.kmax = torch.zeros_like(self.kmin)
+        self.alive = torch.ones(b, dtype=torch.bool)
+        self.layers = [self._new_layer() for _ in range(num_layers)]
+        self.telemetry = Telemetry(num_layers)
+        self._calls = 0  # attend calls so far: picks the staging buffer
+        self._rng = torch.Generator().manual_seed(config.seed)
+        self._rank_noise = torch.rand(b, mp, generator=self._rng)  # the random policy's order
+
+    def _new_layer(self) -> _Layer:
+        b, mp = self.batch_size, self.max_pages
+        return _Layer(tier=torch.full((b, mp), NONE, dtype=torch.int8),
+                      slot=torch.zeros(b, mp, dtype=torch.int32),
+                      evicted=torch.zeros(b, mp, dtype=torch.bool),
+                      mass=torch.zeros(b, mp, dtype=torch.float32))
+
+    # --- geometry ---------------------------------------------------------------------------
+
+    @property
+    def page_bytes(self) -> int:
+        return self.hbm.page_bytes
+
+    def length(self, layer: int = 0) -> int:
+        """Tokens per sequence stored for ``layer`` (evicted ones included)."""
+        return self.layers[layer].length
+
+    def num_pages(self, layer: int = 0) -> int:
+        return math.ceil(self.layers[layer].length / self.page_size)
+
+    def _must_hot(self, n_pages: int) -> torch.Tensor:
+        """``[n_pages]`` bool: sink pages, the recent window and the page being filled."""
+        m = torch.zeros(n_pages, dtype=torch.bool)
+        m[: self.config.sink_pages] = True
+        m[max(0, n_pages - self.config.recent_pages - 1):] = True
+        return m
+
+    # --- append ------------------------------------------------------------------------------
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``T`` new tokens per sequence to ``layer``.
+
+        Args:
+            k, v: ``[B, H_kv, T, D]`` (HF layout, keys post-RoPE), any float dtype (cast to the
+                cache's dtype).
+        """
+        t0 = time.perf_counter()
+        st = self.layers[layer]
+        b, hkv, t, d = self._check_kv(k, v)
+        if t > self.config.prefill_chunk_size:
+            raise KernelInputError(
+                f"update got {t} tokens per sequence; the pools have headroom for "
+                f"prefill_chunk_size={self.config.prefill_chunk_size}: prefill in chunks of at "
+                "most that many tokens, or raise prefill_chunk_size.")
+        p, n0 = self.page_size, st.length
+        n1 = n0 + t
+        if n1 > self.max_pages * p:
+            raise KVCapacityError(
+                f"sequence length {n1} exceeds max_context={self.config.max_context} of the "
+                "config; raise max_context.")
+        first_new, end = math.ceil(n0 / p), math.ceil(n1 / p)
+        alive = self.alive.nonzero().flatten().tolist()
+        new = end - first_new
+        slots = self.hbm.alloc(layer, new * len(alive))  # raises before any state changes
+        for i, bi in enumerate(alive):
+            st.slot[bi, first_new:end] = torch.tensor(slots[i * new:(i + 1) * new],
+                                                      dtype=torch.int32)
+            st.tier[bi, first_new:end] = HOT
+        # scatter the tokens into their pages: one indexed write per layer
+        pos = torch.arange(n0, n1)
+        rows = torch.tensor(alive, dtype=torch.long)
+        page_slot = st.slot[rows][:, pos // p].long().to(self.device)  # [b_alive, T]
+        off = (pos % p).to(self.device)
+        pool = self.hbm.pool(layer)
+        kk = k[rows.to(k.device)].permute(0, 2, 1, 3).to(self.device, self.dtype)  # [b, T, H, D]
+        vv = v[rows.to(v.device)].permute(0, 2, 1, 3).to(self.device, self.dtype)
+        pool[page_slot, 0, off[None, :].expand_as(page_slot)] = kk
+        pool[page_slot, 1, off[None, :].expand_as(page_slot)] = vv
+        # Quest metadata of every touched page (the partly filled last page included)
+        touched = torch.arange(n0 // p, end)
+        meta_slots = st.slot[rows][:, touched].flatten()
+        lens = (torch.clamp(n1 - touched * p, max=p)).repeat(len(alive)).to(torch.int32)
+        meta_rows = (rows[:, None] * self.max_pages + touched[None, :]).flatten()
+        if meta_slots.numel():
+            page_metadata(pool, meta_slots.to(self.device), lens.to(self.device),
+                          kmin=self.kmin[layer], kmax=self.kmax[layer],
+                          rows=meta_rows.to(torch.int32).to(self.device), validate=False,
+                          backend=self.backend)
+            self.telemetry.layers[layer].kernel_launches += 1
+        st.length = n1
+        self.telemetry.layers[layer].host_time_s += time.perf_counter() - t0
+
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                raise KernelInputError(f"{name} must be a [B, H_kv, T, D] tensor.")
+        if k.shape != v.shape:
+            raise KernelInputError(f"k {list(k.shape)} and v {list(v.shape)} must match.")
+        b, hkv, t, d = k.shape
+        want = (self.batch_size, self.num_kv_heads, d, self.head_dim)
+        if (b, hkv, d) != (want[0], want[1], want[3]):
+            raise KernelInputError(
+                f"k/v have shape {list(k.shape)}; the cache holds B={self.batch_size}, "
+                f"H_kv={self.num_kv_heads}, D={self.head_dim} ([B, H_kv, T, D]).")
+        return b, hkv, t, d
+
+    # --- attention ---------------------------------------------------------------------------
+
+    def attend(self, layer: int, q: torch.Tensor, *, sm_scale: float | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """Attention of the ``T`` newest tokens' queries over ``layer``'s cache (causal).
+
+        Args:
+            q: ``[B, H_q, T, D]`` queries (post-RoPE) of the tokens the last :meth:`update` added.
+
+        Returns:
+            ``[B, H_q, T, D]`` in ``q``'s dtype.
+        """
+        t0 = time.perf_counter()
+        st, cfg, tel = self.layers[layer], self.config, self.telemetry.layers[layer]
+        b, hq, t, d = q.shape
+        if b != self.batch_size or d != self.head_dim or hq % self.num_kv_heads:
+            raise KernelInputError(
+                f"q has shape {list(q.shape)}; expected [B={self.batch_size}, H_q (a multiple "
+                f"of H_kv={self.num_kv_heads}), T, D={self.head_dim}].")
+        if t > st.length:
+            raise KernelInputError(f"q has T={t} queries but layer {layer} holds {st.length} "
+                                   "tokens; call update(layer, k, v) first.")
+        decode = t == 1
+        buffer = self._calls % RING
+        self._calls += 1
+        qd = q.to(self.device, self.dtype)
+        n_pages = self.num_pages(layer)
+        cold = (st.tier[:, :n_pages] > HOT) & self.alive[:, None]
+
+        if decode and cfg.attend == "topk":
+            need = self._select_topk(layer, qd[:, :, 0], cold)
+            st.selection = need
+        else:
+            need = [c.nonzero().flatten().tolist() for c in cold]
+
+        hot_table, hot_pages = self._hot_table(layer, n_pages)
+        parts, staged_runs = [], []
+        want_mass = cfg.score in ("mass", "hybrid") or (
+            cfg.evict_budget != 0 and cfg.evict_policy == "h2o")
+        scale = sm_scale if sm_scale is not None else d ** -0.5
+        if decode:
+            q1 = qd[:, :, 0]
+            parts.append(sparse_decode(q1, self.hbm.pool(layer), hot_table, sm_scale=scale,
+                                       softcap=softcap, return_page_mass=want_mass,
+                                       validate=False, backend=self.backend))
+            tel.kernel_launches += 1
+        else:
+            qf = qd.permute(0, 2, 1, 3).reshape(b * t, hq, d)
+            qo = torch.arange(b + 1, dtype=torch.int32, device=self.device) * t
+            parts.append(paged_prefill(qf, self.hbm.pool(layer), hot_table, qo, sm_scale=scale,
+                                       softcap=softcap, validate=False, backend=self.backend))
+            tel.kernel_launches += 1
+        for run in self._fetch(layer, need, buffer):
+            table = self._staged_table(run)
+            pool = self.staging[run.buffer]
+            if decode:
+                parts.append(sparse_decode(q1, pool, table, sm_scale=scale, softcap=softcap,
+                                           return_page_mass=want_mass, validate=False,
+                                           backend=self.backend))
+            else:
+                parts.append(paged_prefill(qf, pool, table, qo, sm_scale=scale, causal=False,
+                                           softcap=softcap, validate=False,
+                                           backend=self.backend))
+            tel.kernel_launches += 1
+            staged_runs.append((run, table))
+            # a later batch may reuse this buffer only after the kernel above has read it
+            self._fence = self.engine.fence()
+        if len(parts) == 1:
+            out, lse = parts[0].out, parts[0].lse
+        else:
+            out, lse = merge_states(torch.stack([x.out for x in parts]),
+                                    torch.stack([x.lse for x in parts]), backend=self.backend)
+            tel.kernel_launches += 1
+
+        tables = [(hot_table, hot_pages, self.hbm.pool(layer))] + [
+            (table, run.pages, self.staging[run.buffer]) for run, table in staged_runs]
+        if want_mass:
+            self._accumulate_mass(layer, parts, tables, lse, qf if not decode else None,
+                                  qo if not decode else None, scale, softcap)
+        if not decode and cfg.evict_budget != 0 and cfg.evict_policy == "snapkv":
+            self._snap_window(layer, qd, tables, lse, scale, softcap)
+        if decode:
+            st.last_q = q1
+            tel.decode_steps += 1
+        tel.attend_calls += 1
+        self._rebalance(layer, decode)
+        self._prefetch_next(layer, qd[:, :, -1] if decode else None)
+        res = out.view(b, t, hq, d).permute(0, 2, 1, 3) if not decode else out.unsqueeze(2)
+        tel.host_time_s += time.perf_counter() - t0
+        return res.to(q.dtype)
+
+    def _hot_table(self, layer: int, n_pages: int) -> tuple[PageTable, list[list[int]]]:
+        """Hot pages of each sequence in logical order (a compact row: the recent tail is
+        contiguous and hot, so positions inside the tail stay exact for causal masking)."""
+        st, p = self.layers[layer], self.page_size
+        hot = (st.tier[:, :n_pages] == HOT) & self.alive[:, None]
+        pages = [h.nonzero().flatten().tolist() for h in hot]
+        counts = [len(x) for x in pages]
+        last = st.length - (n_pages - 1) * p if n_pages else 0
+        indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+        idx = st.slot[:, :n_pages][hot]
+        lasts = torch.tensor([last if c else 0 for c in counts], dtype=torch.int32)
+        dev = self.device
+        return PageTable.from_csr(indptr.to(dev), idx.to(dev), lasts.to(dev)), pages
+
+    def _staged_table(self, run: _Staged) -> PageTable:
+        counts = [len(x) for x in run.slots]
+        indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+        idx = torch.tensor([s for row in run.slots for s in row], dtype=torch.int32)
+        lasts = torch.tensor([self.page_size if c else 0 for c in counts], dtype=torch.int32)
+        dev = self.device
+        return PageTable.from_csr(indptr.to(dev), idx.to(dev), lasts.to(dev))
+
+    def _select_topk(self, layer: int, q: torch.Tensor, cold: torch.Tensor) -> list[list[int]]:
+        """Per sequence, the ``recall_budget`` cold pages with the highest Quest bound."""
+        st, cfg = self.layers[layer], self.config
+        rows = [c.nonzero().flatten() for c in cold]
+        k = cfg.pages(cfg.recall_budget, cold.shape[1], st.length)
+        if k == 0 or not any(r.numel() for r in rows):
+            return [[] for _ in rows]
+        counts = [r.numel() for r in rows]
+        meta = torch.cat([bi * self.max_pages + r for bi, r in enumerate(rows)])
+        indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+        table = PageTable.from_csr(indptr.to(self.device), meta.to(torch.int32).to(self.device),
+                                   torch.ones(len(rows), dtype=torch.int32, device=self.device))
+        bound = quest_score(q, self.kmin[layer], self.kmax[layer], table, validate=False,
+                            backend=self.backend).max(dim=-1).values.cpu()
+        self.telemetry.layers[layer].kernel_launches += 1
+        out, pos = [], 0
+        for r, c in zip(rows, counts):
+            best = torch.topk(bound[pos:pos + c], min(k, c)).indices
+            out.append(sorted(r[best].tolist()))
+            pos += c
+        return out
+
+    # --- moving pages ------------------------------------------------------------------------
+
+    def _fetch(self, layer: int, need: list[list[int]], buffer: int):
+        """Yield :class:`_Staged` batches holding every page in ``need`` (per sequence), each
+        ready to read. Pages already prefetched for this layer are used in place (hits)."""
+        st, tel = self.layers[layer], self.telemetry.layers[layer]
+        pre, st.prefetch = st.prefetch, None
+        if not any(need):
+            if pre is not None:
+                tel.wasted_prefetches += sum(len(x) for x in pre.pages)
+                self.engine.wait(pre.ticket)
+            return
+        first = _Staged(pre.buffer if pre else buffer)
+        used = set()
+        if pre is not None:
+            self.engine.wait(pre.ticket)
+            for bi, (pages, slots) in enumerate(zip(pre.pages, pre.slots)):
+                want = set(need[bi])
+                keep = [(pg, sl) for pg, sl in zip(pages, slots) if pg in want]
+                first.pages.append([pg for pg, _ in keep])
+                first.slots.append([sl for _, sl in keep])
+                used.update(sl for _, sl in keep)
+                tel.prefetch_hits += len(keep)
+                tel.wasted_prefetches += len(pages) - len(keep)
+        else:
+            first.pages = [[] for _ in need]
+            first.slots = [[] for _ in need]
+        missing = [[pg for pg in need[bi] if pg not in set(first.pages[bi])]
+                   for bi in range(len(need))]
+        n_missing = sum(len(x) for x in missing)
+        if pre is not None:
+            tel.late_misses += n_missing
+        free = [s for s in range(self.staging_pages) if s not in used]
+        run = first
+        todo = [(bi, pg) for bi in range(len(missing)) for pg in missing[bi]]
+        while todo:
+            if not free:  # buffer full: attend what is staged, then reuse the buffer
+                yield run
+                self.engine.wait(None)
+                run = _Staged(run.buffer, [[] for _ in need], [[] for _ in need])
+                free = list(range(self.staging_pages))
+            batch, todo = todo[:len(free)], todo[len(free):]
+            slots, free = free[:len(batch)], free[len(batch):]
+            self._copy_in(layer, batch, run.buffer, slots, after=getattr(self, "_fence", None))
+            for (bi, pg), sl in zip(batch, slots):
+                run.pages[bi].append(pg)
+                run.slots[bi].append(sl)
+        yield run
+
+    def _copy_in(self, layer: int, batch: list[tuple[int, int]], buffer: int, slots: list[int],
+                 *, after: object = None, wait: bool = True) -> object:
+        """Copy cold pages ``(sequence, page)`` into staging ``slots``: one launch per source
+        tier; returns the last ticket (already waited on when ``wait``)."""
+        st, tel = self.layers[layer], self.telemetry.layers[layer]
+        ticket = None
+        by_tier: dict[int, list[tuple[int, int, int]]] = {}
+        for (bi, pg), sl in zip(batch, slots):
+            by_tier.setdefault(int(st.tier[bi, pg]), []).append((bi, pg, sl))
+        dst_pool = self.staging[buffer]
+        for ti, items in sorted(by_tier.items()):
+            tier = self.tiers[ti]
+            src = [int(st.slot[bi, pg]) for bi, pg, _ in items]
+            dst = [sl for _, _, sl in items]
+            if isinstance(tier, MemoryTier):
+                ticket = self.engine.copy(
+                    tier.pool(layer), torch.tensor(src, dtype=torch.int32, device=tier.device),
+                    dst_pool, torch.tensor(dst, dtype=torch.int32, device=self.device),
+                    after=after)
+                tel.copy_launches += 1
+                if wait:
+                    self.engine.wait(ticket)
+            else:  # disk: validated reads, then one indexed host->device copy
+                pages = tier.read(layer, src, [pg * self.page_size for _, pg, _ in items])
+                dst_pool[torch.tensor(dst, dtype=torch.long, device=self.device)] = \
+                    pages.to(self.device)
+                tel.copy_launches += 1
+            tel.h2d_bytes[tier.kind] += len(items) * self.page_bytes
+        return ticket
+
+    def _prefetch_next(self, layer: int, q: torch.Tensor | None) -> None:
+        """Start fetching what the next layer (or layer 0 of the next step) will attend."""
+        cfg = self.config
+        if cfg.prefetch == "none" or (q is None and cfg.attend == "topk"):
+            return
+        nxt = (layer + 1) % self.num_layers
+        st = self.layers[nxt]
+        if st.length == 0 or (nxt == 0 and q is None):
+            return
+        n_pages = self.num_pages(nxt)
+        cold = (st.tier[:, :n_pages] > HOT) & self.alive[:, None]
+        if cfg.attend == "all":
+            pages = [c.nonzero().flatten().tolist() for c in cold]
+        elif cfg.prefetch == "speculative":
+            pages = self._select_topk(nxt, q, cold)
+        else:
+            pages = [[pg for pg in sel if cold[bi, pg]] for bi, sel in
+                     enumerate(st.selection or [[] for _ in range(self.batch_size)])]
+        total = sum(len(x) for x in pages)
+        if total == 0 or total > self.staging_pages:
+            return  # too large to stage at once: the layer streams it in batches itself
+        buffer = self._calls % RING  # the buffer the next attend call will use
+        slots, pos = [], 0
+        for row in pages:
+            slots.append(list(range(pos, pos + len(row))))
+            pos += len(row)
+        batch = [(bi, pg) for bi, row in enumerate(pages) for pg in row]
+        flat_slots = [s for row in slots for s in row]
+        ticket = self._copy_in(nxt, batch, buffer, flat_slots, after=self.engine.fence(),
+                               wait=False)
+        st.prefetch = _Prefetch(ticket, buffer, pages, slots)
+
+    # --- importance and policy ---------------------------------------------------------------
+
+    def _accumulate_mass(self, layer, parts, tables, lse, qf, qo, scale, softcap) -> None:
+        """Add each page's share of this step's attention (under the merged LSE) to its
+        importance."""
+        st = self.layers[layer]
+        hkv = self.num_kv_heads
+        for part, (table, pages, pool) in zip(parts, tables):
+            if not any(pages):
+                continue
+            if qf is None:
+                mass = decode_page_mass(part.page_lse, lse, table, hkv, backend=self.backend)
+            else:
+                mass = paged_prefill_mass(qf, pool, table, qo, lse, sm_scale=scale,
+                                          causal=pool is self.hbm.pool(layer), softcap=softcap,
+                                          validate=False, backend=self.backend)
+            self.telemetry.layers[layer].kernel_launches += 1
+            mass = mass.sum(-1).cpu()
+            rows = torch.cat([torch.full((len(x),), bi) for bi, x in enumerate(pages)])
+            cols = torch.tensor([pg for x in pages for pg in x], dtype=torch.long)
+            st.mass.index_put_((rows.long(), cols), mass, accumulate=True)
+
+    def _snap_window(self, layer, qd, tables, lse, scale, softcap) -> None:
+        """SnapKV's observation window: attention mass of the chunk's last queries."""
+        st, cfg = self.layers[layer], self.config
+        b, hq, t, d = qd.shape
+        w = min(cfg.snapkv_window, t)
+        qw = qd[:, :, t - w:].permute(0, 2, 1, 3).reshape(b * w, hq, d)
+        lw = lse.view(b, t, hq)[:, t - w:].reshape(b * w, hq)
+        qo = torch.arange(b + 1, dtype=torch.int32, device=self.device) * w
+        snap = torch.zeros(b, self.max_pages)
+        for table, pages, pool in tables:
+            if not any(pages):
+                continue
+            mass = paged_prefill_mass(qw, pool, table, qo, lw.contiguous(), sm_scale=scale,
+                                      causal=pool is self.hbm.pool(layer), softcap=softcap,
+                                      validate=False, backend=self.backend).sum(-1).cpu()
+            rows = torch.cat([torch.full((len(x),), bi) for bi, x in enumerate(pages)])
+            cols = torch.tensor([pg for x in pages for pg in x], dtype=torch.long)
+            snap[rows.long(), cols] = mass
+        st.snap = snap
+
+    def _rank(self, layer: int, n_pages: int) -> torch.Tensor:
+        """``[B, n_pages]`` importance for demotion (higher stays hot)."""
+        st, cfg = self.layers[layer], self.config
+        mass = st.mass[:, :n_pages]
+        if cfg.score == "mass" or st.last_q is None:
+            return mass
+        rows = torch.arange(self.batch_size)[:, None] * self.max_pages + torch.arange(n_pages)
+        counts = [n_pages] * self.batch_size
+        indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+        table = PageTable.from_csr(indptr.to(self.device),
+                                   rows.flatten().to(torch.int32).to(self.device),
+                                   torch.ones(self.batch_size, dtype=torch.int32,
+                                              device=self.device))
+        bound = quest_score(st.last_q, self.kmin[layer], self.kmax[layer], table,
+                            validate=False, backend=self.backend)
+        bound = bound.max(-1).values.view(self.batch_size, n_pages).cpu()
+        if cfg.score == "quest":
+            return bound
+        norm = lambda x: (x - x.min(1, keepdim=True).values) / (
+            x.max(1, keepdim=True).values - x.min(1, keepdim=True).values + 1e-12)
+        return norm(mass) + norm(bound)
+
+    def _evict_rank(self, layer: int, n_pages: int) -> torch.Tensor:
+        st, policy = self.layers[layer], self.config.evict_policy
+        if policy == "streaming":
+            return torch.arange(n_pages, dtype=torch.float32).expand(self.batch_size, -1)
+        if policy == "random":
+            return self._rank_noise[:, :n_pages]
+        if policy == "snapkv":
+            snap = st.snap if st.snap is not None else torch.zeros(self.batch_size,
+                                                                   self.max_pages)
+            k = self.config.snapkv_kernel
+            pooled = torch.nn.functional.max_pool1d(snap[:, None, :n_pages], k, stride=1,
+                                                    padding=k // 2)[:, 0, :n_pages]
+            return pooled
+        return st.mass[:, :n_pages]
+
+    def _rebalance(self, layer: int, decode: bool) -> None:
+        """Evict down to ``evict_budget``, then demote down to ``hot_budget``."""
+        st, cfg, p = self.layers[layer], self.config, self.page_size
+        n_pages = self.num_pages(layer)
+        if n_pages == 0:
+            return
+        must = self._must_hot(n_pages)
+        full = torch.ones(n_pages, dtype=torch.bool)
+        if not st.length % p == 0:
+            full[-1] = False
+        if cfg.evict_budget != 0 and (cfg.evict_policy != "snapkv" or (decode and not
+                                                                        st.pruned)):
+            target = self._evict_pages(st.length)
+            rank = self._evict_rank(layer, n_pages)
+            for bi in self.alive.nonzero().flatten().tolist():
+                live = (st.tier[bi, :n_pages] != NONE) & ~must & full
+                extra = target - int(st.evicted[bi, :n_pages].sum())
+                if extra <= 0 or not live.any():
+                    continue
+                cand = live.nonzero().flatten()
+                drop = cand[torch.argsort(rank[bi, cand], stable=True)[:extra]].tolist()
+                self._drop(layer, bi, drop)
+            if cfg.evict_policy == "snapkv" and decode:
+                st.pruned = True
+        hot_target = max(cfg.pages(cfg.hot_budget, n_pages, st.length), int(must.sum()))
+        if len(self.tiers) == 1:  # nowhere to demote: the hot budget is the whole budget
+            if cfg.evict_policy == "snapkv":
+                # SnapKV compresses the prompt once, when decoding starts, and keeps every
+                # token generated afterwards
+                if decode and not st.pruned:
+                    self._drop_over(layer, n_pages, hot_target, must)
+                    st.pruned = True
+                return
+            self._drop_over(layer, n_pages, hot_target, must)
+            return
+        over = []
+        rank = None
+        for bi in self.alive.nonzero().flatten().tolist():
+            hot = st.tier[bi, :n_pages] == HOT
+            extra = int(hot.sum()) - hot_target
+            if extra <= 0:
+                continue
+            if rank is None:
+                rank = self._rank(layer, n_pages)
+            cand = (hot & ~must).nonzero().flatten()
+            order = torch.argsort(rank[bi, cand], stable=True)[:extra]
+            over += [(bi, int(pg)) for pg in cand[order]]
+        if over:
+            self._demote(layer, over)
+
+    def _drop_over(self, layer: int, n_pages: int, keep: int, must: torch.Tensor) -> None:
+        """Evict the lowest-ranked pages of each sequence beyond ``keep`` live pages."""
+        st = self.layers[layer]
+        rank = self._evict_rank(layer, n_pages)
+        for bi in self.alive.nonzero().flatten().tolist():
+            live = st.tier[bi, :n_pages] != NONE
+            extra = int(live.sum()) - keep
+            cand = (live & ~must).nonzero().flatten()
+            if extra > 0 and len(cand):
+                drop = cand[torch.argsort(rank[bi, cand], stable=True)[:extra]].tolist()
+                self._drop(layer, bi, drop)
+
+    def _evict_pages(self, length: int) -> int:
+        budget = self.config.evict_budget
+        tokens = budget * length if isinstance(budget, float) else budget
+        return int(tokens // self.page_size)
+
+    def _drop(self, layer: int, bi: int, pages: list[int]) -> None:
+        st = self.layers[layer]
+        for ti, tier in enumerate(self.tiers):
+            sl = [int(st.slot[bi, pg]) for pg in pages if int(st.tier[bi, pg]) == ti]
+            if sl:
+                tier.release(layer, sl)
+        st.tier[bi, pages] = NONE
+        st.evicted[bi, pages] = True
+        self.telemetry.layers[layer].evicted_tokens += len(pages) * self.page_size
+
+    def _demote(self, layer: int, pages: list[tuple[int, int]]) -> None:
+        """Move hot pages to the first lower tiers with room: one copy launch per destination
+        tier. All destination slots are taken first, so a full hierarchy raises
+        :class:`KVCapacityError` with nothing changed."""
+        st, tel = self.layers[layer], self.telemetry.layers[layer]
+        plan, todo = [], list(pages)
+        for ti in range(1, len(self.tiers)):
+            if not todo:
+                break
+            n = min(len(todo), self.tiers[ti].num_free(layer))
+            if n:
+                plan.append((ti, todo[:n], self.tiers[ti].alloc(layer, n)))
+                todo = todo[n:]
+        if todo:
+            for ti, _, slots in plan:
+                self.tiers[ti].release(layer, slots)
+            free = {t.kind: t.num_free(layer) for t in self.tiers[1:]}
+            raise KVCapacityError(
+                f"layer {layer}: {len(pages)} pages must leave HBM but the lower tiers have "
+                f"room for {len(pages) - len(todo)} (free pages per tier: {free}); raise their "
+                "capacity_pages, add a tier, or set evict_budget.")
+        src_pool = self.hbm.pool(layer)
+        for ti, items, slots in plan:
+            tier = self.tiers[ti]
+            src = [int(st.slot[bi, pg]) for bi, pg in items]
+            if isinstance(tier, MemoryTier):
+                ticket = self.engine.copy(
+                    src_pool, torch.tensor(src, dtype=torch.int32, device=self.device),
+                    tier.pool(layer), torch.tensor(slots, dtype=torch.int32, device=tier.device))
+                # the freed HBM slots are rewritten by later kernels: order them after the copy
+                self.engine.wait(ticket)
+            else:
+                tier.write(layer, slots, src_pool[torch.tensor(src, dtype=torch.long,
+                                                                device=self.device)],
+                           [pg * self.page_size for _, pg in items])
+            tel.copy_launches += 1
+            tel.d2h_bytes[tier.kind] += len(items) * self.page_bytes
+            tel.demoted_pages += len(items)
+            self.hbm.release(layer, src)
+            for (bi, pg), sl in zip(items, slots):
+                st.tier[bi, pg] = ti
+                st.slot[bi, pg] = sl
+
+    # --- whole-cache operations ----------------------------------------------------------
+
+    def move(self, layer: int, sequence: int, page: int, tier: int) -> None:
+        """Move one live page to another tier (spill to disk, reload, demote by hand)."""
+        st = self.layers[layer]
+        src_t, src_s = int(st.tier[sequence, page]), int(st.slot[sequence, page])
+        if src_t == NONE:
+            raise KernelInputError(f"page {page} of sequence {sequence} does not exist "
+                                   "(evicted or past the end).")
+        if src_t == tier:
+            return
+        dst = self.tiers[tier]
+        (slot,) = dst.alloc(layer, 1)
+        data = self.tiers[src_t].read(layer, [src_s], [page * self.page_size])
+        dst.write(layer, [slot], data, [page * self.page_size])
+        self.tiers[src_t].release(layer, [src_s])
+        st.tier[sequence, page], st.slot[sequence, page] = tier, slot
+
+    def free(self, sequence: int) -> None:
+        """Release every page of ``sequence``; it attends nothing until :meth:`reset`."""
+        for layer, st in enumerate(self.layers):
+            pages = (st.tier[sequence] != NONE).nonzero().flatten().tolist()
+            for ti, tier in enumerate(self.tiers):
+                sl = [int(st.slot[sequence, pg]) for pg in pages
+                      if int(st.tier[sequence, pg]) == ti]
+                if sl:
+                    tier.release(layer, sl)
+            st.tier[sequence] = NONE
+            st.mass[sequence] = 0
+        self.alive[sequence] = False
+
+    def reorder(self, index: torch.Tensor | list[int]) -> None:
+        """Sequence ``i`` becomes old sequence ``index[i]`` (beam search). A sequence chosen
+        twice gets its own copy of every page; one not chosen is freed."""
+        index = [int(i) for i in (index.tolist() if isinstance(index, torch.Tensor) else index)]
+        if len(index) != self.batch_size or not all(0 <= i < self.batch_size for i in index):
+            raise KernelInputError(f"reorder index must list {self.batch_size} sequence ids in "
+                                   f"0..{self.batch_size - 1}, got {index}.")
+        seen: set[int] = set()
+        for layer, st in enumerate(self.layers):
+            old = (st.tier.clone(), st.slot.clone(), st.evicted.clone(), st.mass.clone())
+            first_use: dict[int, int] = {}
+            for new_b, old_b in enumerate(index):
+                st.tier[new_b], st.slot[new_b] = old[0][old_b], old[1][old_b]
+                st.evicted[new_b], st.mass[new_b] = old[2][old_b], old[3][old_b]
+                if old_b in first_use:  # duplicate: copy its pages to fresh slots
+                    for pg in (st.tier[new_b] != NONE).nonzero().flatten().tolist():
+                        ti = int(st.tier[new_b, pg])
+                        (slot,) = self.tiers[ti].alloc(layer, 1)
+                        data = self.tiers[ti].read(layer, [int(st.slot[new_b, pg])],
+                                                   [pg * self.page_size])
+                        self.tiers[ti].write(layer, [slot], data, [pg * self.page_size])
+                        st.slot[new_b, pg] = slot
+                else:
+                    first_use[old_b] = new_b
+            for old_b in range(self.batch_size):
+                if old_b not in first_use:
+                    for pg in (old[0][old_b] != NONE).nonzero().flatten().tolist():
+                        self.tiers[int(old[0][old_b, pg])].release(layer,
+                                                                   [int(old[1][old_b, pg])])
+            rows = torch.tensor(index)
+            b_mp = self.max_pages
+            src = (rows[:, None] * b_mp + torch.arange(b_mp)).flatten().to(self.device)
+            self.kmin[layer] = self.kmin[layer][src]
+            self.kmax[layer] = self.kmax[layer][src]
+            st.prefetch, st.selection = None, None
+            seen.update(index)
+        self.alive = self.alive[torch.tensor(index)]
+        self._rank_noise = self._rank_noise[torch.tensor(index)]
+
+    def gather(self, layer: int, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every live token of ``sequence`` as ``(positions [n], kv [n, 2, H_kv, D])`` on the
+        CPU, read from wherever it lives (tests compare it with a shadow copy)."""
+        st, p = self.layers[layer], self.page_size
+        n_pages = self.num_pages(layer)
+        pos, kv = [], []
+        for pg in range(n_pages):
+            ti = int(st.tier[sequence, pg])
+            if ti == NONE:
+                continue
+            page = self.tiers[ti].read(layer, [int(st.slot[sequence, pg])], [pg * p])[0].cpu()
+            n = min(p, st.length - pg * p)
+            pos.append(torch.arange(pg * p, pg * p + n))
+            kv.append(page[:, :n].permute(1, 0, 2, 3))
+        if not pos:
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0, *self.page_shape[:1],
+                                                                  self.num_kv_heads,
+                                                                  self.head_dim, dtype=self.dtype)
+        return torch.cat(pos), torch.cat(kv)
+
+    # --- telemetry -----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Telemetry per layer and in total (bytes per tier, launches, prefetch outcomes,
+        evicted tokens, resident fraction per tier, host time)."""
+        residency = []
+        for st in self.layers:
+            n_pages = math.ceil(st.length / self.page_size)
+            live = (st.tier[:, :n_pages] != NONE) & self.alive[:, None]
+            total = max(1, int(live.sum()))
+            residency.append({t.kind: int(((st.tier[:, :n_pages] == ti) & live).sum()) / total
+                              for ti, t in enumerate(self.tiers)})
+        out = self.telemetry.stats(residency)
+        out["total"]["page_bytes"] = self.page_bytes
+        return out
+
+    # --- save and restore ------------------------------------------------------------------
+
+    def _meta(self) -> dict[str, str]:
+        cfg = self.config
+        return {"kind": "cache", "fingerprint": self.fingerprint,
+                "page_size": str(cfg.page_size), "num_layers": str(self.num_layers),
+                "num_kv_heads": str(self.num_kv_heads), "head_dim": str(self.head_dim),
+                "batch_size": str(self.batch_size), "max_pages": str(self.max_pages),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "tiers": json.dumps([t.kind for t in self.tiers])}
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the whole cache (every tier, tables, importance) to one safetensors file in
+        ``directory``, atomically; returns its path."""
+        tensors: dict[str, torch.Tensor] = {"alive": self.alive.to(torch.uint8)}
+        for layer, st in enumerate(self.layers):
+            live = (st.tier != NONE).nonzero()
+            pages = torch.zeros(len(live), *self.page_shape, dtype=self.dtype)
+            for i, (bi, pg) in enumerate(live.tolist()):
+                ti = int(st.tier[bi, pg])
+                pages[i] = self.tiers[ti].read(layer, [int(st.slot[bi, pg])],
+                                               [pg * self.page_size])[0].cpu()
+            tensors[f"layer{layer}.pages"] = pages
+            tensors[f"layer{layer}.tier"] = st.tier.clone()
+            tensors[f"layer{layer}.evicted"] = st.evicted.to(torch.uint8)
+            tensors[f"layer{layer}.mass"] = st.mass.clone()
+            tensors[f"layer{layer}.length"] = torch.tensor([st.length], dtype=torch.int64)
+        key = hashlib.sha256(f"{self.fingerprint}:{time.time_ns()}".encode()).hexdigest()
+        return write_kv_file(directory, key, tensors, self._meta())
+
+    def load(self, path: str | Path) -> None:
+        """Replace this cache's content with a file written by :meth:`save` from a cache of
+        the same geometry; the file is validated whole before anything changes."""
+        b, mp = self.batch_size, self.max_pages
+        meta = self._meta()
+        limit = 64 * 1024 + sum(t.capacity for t in self.tiers) * self.num_layers * \
+            self.page_bytes + self.num_layers * b * mp * 16
+
+        def check(header) -> None:
+            for k, want in meta.items():
+                if header.meta.get(k) != want:
+                    raise KVFileError(f"{header.path}: metadata {k}={header.meta.get(k)!r}, "
+                                      f"this cache expects {want!r}.")
+            want_names = {"alive"} | {f"layer{i}.{n}" for i in range(self.num_layers)
+                                      for n in ("pages", "tier", "evicted", "mass", "length")}
+            if set(header.tensors) != want_names:
+                raise KVFileError(f"{header.path}: tensors {sorted(header.tensors)} do not match "
+                                  "a saved cache of this geometry.")
+            fixed = {"alive": (torch.uint8, (b,))}
+            for i in range(self.num_layers):
+                fixed.update({f"layer{i}.tier": (torch.int8, (b, mp)),
+                              f"layer{i}.evicted": (torch.uint8, (b, mp)),
+                              f"layer{i}.mass": (torch.float32, (b, mp)),
+                              f"layer{i}.length": (torch.int64, (1,))})
+                e = header.tensors[f"layer{i}.pages"]
+                if e.dtype != self.dtype or tuple(e.shape[1:]) != self.page_shape or \
+                        e.shape[0] > b * mp:
+                    raise KVFileError(f"{header.path}: layer{i}.pages is {e.dtype} "
+                                      f"{list(e.shape)}, expected {self.dtype} [<= {b * mp}, "
+                                      f"{', '.join(map(str, self.page_shape))}].")
+            for name, (dt, shape) in fixed.items():
+                e = header.tensors[name]
+                if e.dtype != dt or tuple(e.shape) != shape:
+                    raise KVFileError(f"{header.path}: {name} is {e.dtype} {list(e.shape)}, "
+                                      f"expected {dt} {list(shape)}.")
+
+        data = read_kv_file(path, check, max_file_bytes=limit)
+        plans = []
+        for i in range(self.num_layers):
+            tier = data[f"layer{i}.tier"]
+            length = int(data[f"layer{i}.length"][0])
+            live = (tier != NONE).nonzero()
+            if len(live) != data[f"layer{i}.pages"].shape[0] or not 0 <= length <= mp * \
+                    self.page_size or (tier >= len(self.tiers)).any() or (tier < NONE).any():
+                raise KVFileError(f"{path}: layer{i} tables are inconsistent with its pages.")
+            plans.append((tier, live, length))
+        # every check passed: replace the content
+        for layer, st in enumerate(self.layers):
+            for bi in range(b):
+                for pg in (st.tier[bi] != NONE).nonzero().flatten().tolist():
+                    self.tiers[int(st.tier[bi, pg])].release(layer, [int(st.slot[bi, pg])])
+        self.layers = [self._new_layer() for _ in range(self.num_layers)]
+        self.alive = data["alive"].bool()
+        for layer, (tier, live, length) in enumerate(plans):
+            st = self.layers[layer]
+            st.length = length
+            st.evicted = data[f"layer{layer}.evicted"].bool()
+            st.mass = data[f"layer{layer}.mass"].clone()
+            pages = data[f"layer{layer}.pages"]
+            for ti, t in enumerate(self.tiers):
+                sel = (tier[live[:, 0], live[:, 1]] == ti).nonzero().flatten()
+                if not len(sel):
+                    continue
+                slots = t.alloc(layer, len(sel))
+                t.write(layer, slots, pages[sel], [int(live[j, 1]) * self.page_size
+                                                   for j in sel.tolist()])
+                for j, sl in zip(sel.tolist(), slots):
+                    bi, pg = int(live[j, 0]), int(live[j, 1])
+                    st.tier[bi, pg], st.slot[bi, pg] = ti, sl
+            self._refresh_metadata(layer)
+
+    def _refresh_metadata(self, layer: int) -> None:
+        """Recompute Quest metadata of every live page of ``layer`` (after a load)."""
+        st, p = self.layers[layer], self.page_size
+        for ti, tier in enumerate(self.tiers):
+            items = (st.tier == ti).nonzero().tolist()
+            if not items:
+                continue
+            data = tier.read(layer, [int(st.slot[bi, pg]) for bi, pg in items],
+                             [pg * p for _, pg in items]).to(self.device)
+            lens = torch.tensor([min(p, st.length - pg * p) for _, pg in items],
+                                dtype=torch.int32, device=self.device)
+            rows = torch.tensor([bi * self.max_pages + pg for bi, pg in items],
+                                dtype=torch.int32, device=self.device)
+            page_metadata(data, torch.arange(len(items), dtype=torch.int32, device=self.device),
+                          lens, kmin=self.kmin[layer], kmax=self.kmax[layer], rows=rows,
+                          validate=False, backend=self.backend)
+

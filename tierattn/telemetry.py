@@ -1,0 +1,84 @@
+"""Counters of the tiered cache: bytes moved per tier, launches, prefetch outcomes, evictions.
+
+Plain Python integers updated on the host next to the work they count, so they are cheap enough
+to stay on; :meth:`Telemetry.stats` aggregates them (per layer and in total) on request.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+__all__ = ["LayerCounters", "Telemetry"]
+
+
+@dataclass
+class LayerCounters:
+    """Counters of one layer since the cache was built (or :meth:`Telemetry.reset`)."""
+
+    h2d_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # by source tier
+    d2h_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # by destination
+    copy_launches: int = 0
+    kernel_launches: int = 0
+    prefetch_hits: int = 0  # pages a layer needed that were already in flight
+    late_misses: int = 0  # pages fetched synchronously because no prefetch covered them
+    wasted_prefetches: int = 0  # prefetched pages the layer did not attend
+    evicted_tokens: int = 0
+    demoted_pages: int = 0
+    attend_calls: int = 0
+    decode_steps: int = 0
+    host_time_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "h2d_bytes": dict(self.h2d_bytes), "d2h_bytes": dict(self.d2h_bytes),
+            "h2d_bytes_total": sum(self.h2d_bytes.values()),
+            "d2h_bytes_total": sum(self.d2h_bytes.values()),
+            "copy_launches": self.copy_launches, "kernel_launches": self.kernel_launches,
+            "prefetch_hits": self.prefetch_hits, "late_misses": self.late_misses,
+            "wasted_prefetches": self.wasted_prefetches, "evicted_tokens": self.evicted_tokens,
+            "demoted_pages": self.demoted_pages, "attend_calls": self.attend_calls,
+            "decode_steps": self.decode_steps, "host_time_s": self.host_time_s,
+        }
+
+
+class Telemetry:
+    """Per-layer counters plus the resident fractions computed by the cache at query time."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.layers = [LayerCounters() for _ in range(num_layers)]
+
+    def reset(self) -> None:
+        self.layers = [LayerCounters() for _ in self.layers]
+
+    def stats(self, residency: list[dict[str, float]]) -> dict:
+        """``{"total": {...}, "layers": [{...}, ...]}``; ``residency[l]`` maps tier -> fraction
+        of layer ``l``'s live tokens resident there."""
+        per_layer = []
+        for counters, resident in zip(self.layers, residency):
+            d = counters.as_dict()
+            d["resident_fraction"] = resident
+            per_layer.append(d)
+        total: dict = {}
+        for key in ("h2d_bytes_total", "d2h_bytes_total", "copy_launches", "kernel_launches",
+                    "prefetch_hits", "late_misses", "wasted_prefetches", "evicted_tokens",
+                    "demoted_pages", "attend_calls", "host_time_s"):
+            total[key] = sum(d[key] for d in per_layer)
+        for key in ("h2d_bytes", "d2h_bytes"):
+            merged: dict[str, int] = defaultdict(int)
+            for d in per_layer:
+                for tier, n in d[key].items():
+                    merged[tier] += n
+            total[key] = dict(merged)
+        tiers = sorted({t for r in residency for t in r})
+        total["resident_fraction"] = {
+            t: sum(r.get(t, 0.0) for r in residency) / max(1, len(residency)) for t in tiers}
+        steps = max((d["decode_steps"] for d in per_layer), default=0)
+        total["decode_steps"] = steps
+        if steps:
+            total["h2d_bytes_per_decode_step"] = total["h2d_bytes_total"] / steps
+            total["copy_launches_per_layer_per_step"] = \
+                total["copy_launches"] / (steps * max(1, len(per_layer)))
+        hits, misses = total["prefetch_hits"], total["late_misses"]
+        total["prefetch_hit_rate"] = hits / (hits + misses) if hits + misses else None
+        return {"total": total, "layers": per_layer}

@@ -1,0 +1,224 @@
+"""Tiers of the KV hierarchy: where a demoted page lives.
+
+A tier holds whole pages (``[2, page_size, H_kv, D]``: K and V of ``page_size`` tokens, all KV
+heads) in numbered slots, per layer. The interface is small -- ``alloc``, ``release``, ``read``,
+``write`` -- and memory tiers also expose their pool tensor, so the transfer engine can move a
+layer's pages between two pools with one page-copy launch. Adding a backend means one subclass
+of :class:`Tier` in this file and one entry in :func:`build_tier`.
+
+* ``hbm``: the device pool (attention reads it directly);
+* ``ddr``: a host pool, pinned on CUDA (the copy kernel reads it over UVA), allocated once;
+* ``cxl``: a host pool with CXL's bandwidth profile. On Linux, when ``numa_node`` is given, it is
+  first-touched by a thread bound to that node's CPUs, so the kernel places its pages there (the
+  node of a CXL memory expander); elsewhere it is an ordinary host pool (a documented stand-in);
+* ``disk``: one safetensors file per page under a directory (:mod:`tierattn.kvfile`: atomic
+  writes, digest names, every read validated before any allocation).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from tierattn.config import TierSpec
+from tierattn.errors import KVCapacityError, TierConfigError
+from tierattn.kvfile import expect, kv_file_name, read_kv_file, write_kv_file
+
+__all__ = ["DiskTier", "MemoryTier", "Tier", "available_memory", "build_tier"]
+
+#: bandwidth/latency profile per tier kind, used for modeled times (GB/s, microseconds);
+#: PCIe Gen5 x16 for host tiers as seen from the GPU, a CXL 2.0 x8 expander, an NVMe SSD.
+PROFILES = {
+    "hbm": {"bandwidth_gbps": 4800.0, "latency_us": 1.0},
+    "ddr": {"bandwidth_gbps": 55.0, "latency_us": 5.0},
+    "cxl": {"bandwidth_gbps": 30.0, "latency_us": 8.0},
+    "disk": {"bandwidth_gbps": 7.0, "latency_us": 80.0},
+}
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that may still be allocated on ``device`` (free HBM, or MemAvailable on the host)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class Tier(ABC):
+    """Slots holding whole pages, per layer, with a free list."""
+
+    kind: str
+
+    def __init__(self, kind: str, num_layers: int, capacity: int, page_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        self.kind = kind
+        self.capacity = capacity
+        self.page_shape = page_shape
+        self.dtype = dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.page_bytes = torch.Size(page_shape).numel() * itemsize
+        # stacks of free slots; popping from the end hands out low slots first
+        self._free = [list(range(capacity - 1, -1, -1)) for _ in range(num_layers)]
+
+    def num_free(self, layer: int) -> int:
+        return len(self._free[layer])
+
+    def num_used(self, layer: int) -> int:
+        return self.capacity - len(self._free[layer])
+
+    def alloc(self, layer: int, n: int) -> list[int]:
+        """``n`` free slots of ``layer``; raises :class:`KVCapacityError` (taking none) if short."""
+        free = self._free[layer]
+        if n > len(free):
+            raise KVCapacityError(
+                f"{self.kind} tier is full for layer {layer}: {n} pages requested, "
+                f"{len(free)} of {self.capacity} free. Raise its capacity_pages, add a lower "
+                "tier, or lower the hot/recall budgets.")
+        taken = free[len(free) - n:][::-1]
+        del free[len(free) - n:]
+        return taken
+
+    def release(self, layer: int, slots: list[int]) -> None:
+        self._free[layer].extend(reversed(slots))
+
+    @abstractmethod
+    def read(self, layer: int, slots: list[int], token_starts: list[int]) -> torch.Tensor:
+        """``[n, *page_shape]`` copies of the pages (validated for the disk tier)."""
+
+    @abstractmethod
+    def write(self, layer: int, slots: list[int], pages: torch.Tensor,
+              token_starts: list[int]) -> None:
+        """Store ``pages [n, *page_shape]`` into ``slots``."""
+
+
+class MemoryTier(Tier):
+    """A pool tensor ``[num_layers, capacity, *page_shape]`` allocated once, at construction."""
+
+    def __init__(self, kind: str, num_layers: int, capacity: int, page_shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device, *, pinned: bool = False,
+                 numa_node: int | None = None) -> None:
+        super().__init__(kind, num_layers, capacity, page_shape, dtype)
+        self.device = device
+        need = num_layers * capacity * self.page_bytes
+        have = available_memory(device)
+        if need > 0.9 * have:
+            raise KVCapacityError(
+                f"{kind} tier needs {need / 2**30:.2f} GiB ({num_layers} layers x {capacity} "
+                f"pages x {self.page_bytes} B) but only {have / 2**30:.2f} GiB is available on "
+                f"{device} (at most 90% may be used); lower capacity_pages or max_context.")
+        with _first_touch_on(numa_node):
+            pool = torch.zeros((num_layers, capacity, *page_shape), dtype=dtype, device=device)
+        self.pinned = bool(pinned and device.type == "cpu" and torch.cuda.is_available())
+        self.pools = pool.pin_memory() if self.pinned else pool
+
+    def pool(self, layer: int) -> torch.Tensor:
+        """``[capacity, 2, page_size, H_kv, D]`` view of ``layer``'s pool."""
+        return self.pools[layer]
+
+    def read(self, layer, slots, token_starts):
+        return self.pools[layer][torch.tensor(slots, dtype=torch.long)]
+
+    def write(self, layer, slots, pages, token_starts):
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.pools[layer].index_copy_(0, idx, pages.to(self.device, non_blocking=True))
+
+
+@contextmanager
+def _first_touch_on(numa_node: int | None):
+    """Bind this thread to ``numa_node``'s CPUs while memory is first written (Linux)."""
+    if numa_node is None:
+        yield
+        return
+    cpulist = Path(f"/sys/devices/system/node/node{numa_node}/cpulist")
+    if not cpulist.exists() or not hasattr(os, "sched_setaffinity"):
+        raise TierConfigError(
+            f"tiers: numa_node={numa_node} does not exist on this machine (no {cpulist}); "
+            "omit numa_node to use a plain host pool.")
+    cpus: set[int] = set()
+    for part in cpulist.read_text().strip().split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+class DiskTier(Tier):
+    """One safetensors file per (layer, slot) page under ``directory``.
+
+    Each file records the cache fingerprint, page size, layer, slot and the page's first token;
+    a read checks all of them, the shape and dtype from the config (never from the file) and
+    the checksum before it allocates anything, and raises :class:`KVFileError` otherwise.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, page_shape: tuple[int, ...],
+                 dtype: torch.dtype, directory: str | Path, fingerprint: str) -> None:
+        super().__init__("disk", num_layers, capacity, page_shape, dtype)
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self._max_bytes = self.page_bytes + (1 << 16)
+
+    def _key(self, layer: int, slot: int) -> str:
+        return f"{self.fingerprint}/layer{layer}/slot{slot}"
+
+    def _meta(self, layer: int, slot: int, token_start: int) -> dict[str, str]:
+        return {"kind": "page", "fingerprint": self.fingerprint,
+                "page_size": str(self.page_shape[1]), "layer": str(layer), "slot": str(slot),
+                "token_start": str(token_start)}
+
+    def path(self, layer: int, slot: int) -> Path:
+        return self.directory / kv_file_name(self._key(layer, slot))
+
+    def write(self, layer, slots, pages, token_starts):
+        pages = pages.detach().to("cpu")
+        for i, (slot, start) in enumerate(zip(slots, token_starts)):
+            write_kv_file(self.directory, self._key(layer, slot), {"kv": pages[i]},
+                          self._meta(layer, slot, start))
+
+    def read(self, layer, slots, token_starts):
+        out = torch.empty((len(slots), *self.page_shape), dtype=self.dtype)
+        for i, (slot, start) in enumerate(zip(slots, token_starts)):
+            meta = self._meta(layer, slot, start)
+            check = lambda h, meta=meta: expect(
+                h, meta=meta, tensors={"kv": (self.dtype, tuple(self.page_shape))})
+            out[i] = read_kv_file(self.path(layer, slot), check,
+                                  max_file_bytes=self._max_bytes)["kv"]
+        return out
+
+    def release(self, layer, slots):
+        for slot in slots:
+            try:
+                self.path(layer, slot).unlink()
+            except FileNotFoundError:
+                pass
+        super().release(layer, slots)
+
+
+def build_tier(spec: TierSpec, *, num_layers: int, capacity: int, page_shape: tuple[int, ...],
+               dtype: torch.dtype, device: torch.device, fingerprint: str) -> Tier:
+    """The tier ``spec`` describes (``hbm`` on ``device``; host tiers pinned when CUDA is used)."""
+    if spec.kind == "hbm":
+        return MemoryTier("hbm", num_layers, capacity, page_shape, dtype, device)
+    if spec.kind in ("ddr", "cxl"):
+        return MemoryTier(spec.kind, num_layers, capacity, page_shape, dtype,
+                          torch.device("cpu"), pinned=device.type == "cuda",
+                          numa_node=spec.numa_node)
+    if spec.kind == "disk":
+        return DiskTier(num_layers, capacity, page_shape, dtype, spec.path, fingerprint)
+    raise TierConfigError(f"tiers: unknown kind {spec.kind!r}")  # TierSpec already checks
+
