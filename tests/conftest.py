@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # shared helpers (runtime_utils.py)
 
 if "TRITON_INTERPRET" not in os.environ:
     import torch
@@ -24,6 +27,11 @@ if "TRITON_INTERPRET" not in os.environ:
 import torch  # noqa: E402
 
 from tierattn.kernels import testing  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one intra-op thread per worker: two workers with two spinning OpenMP threads each on a
+    # 2-core machine make small tensor ops a hundred times slower
+    torch.set_num_threads(1)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and
                       os.environ.get("TRITON_INTERPRET") != "1" else "cpu")

@@ -42,7 +42,7 @@ from tierattn.kernels import (
 )
 from tierattn.kvfile import read_kv_file, write_kv_file
 from tierattn.telemetry import Telemetry
-from tierattn.tiers import MemoryTier, Tier, build_tier
+from tierattn.tiers import MemoryTier, Tier, available_memory, build_tier
 from tierattn.transfer import TransferEngine, default_engine
 
 __all__ = ["TieredKVCache", "ring_slot"]
@@ -139,19 +139,20 @@ class TieredKVCache:
             "hbm": batch_size * min(self.max_pages, hot_max + headroom),
             "ddr": batch_size * self.max_pages, "cxl": batch_size * self.max_pages,
             "disk": batch_size * self.max_pages}
-        self.tiers: list[Tier] = []
-        for spec in config.tiers:
-            cap = spec.capacity_pages if spec.capacity_pages is not None else \
-                default_capacity[spec.kind]
-            self.tiers.append(build_tier(spec, num_layers=num_layers, capacity=cap,
-                                         page_shape=self.page_shape, dtype=dtype,
-                                         device=self.device, fingerprint=fingerprint))
-        self.hbm: MemoryTier = self.tiers[0]  # type: ignore[assignment]
+        capacities = [spec.capacity_pages if spec.capacity_pages is not None else
+                      default_capacity[spec.kind] for spec in config.tiers]
         cold_max = batch_size * max(0, self.max_pages - self.must_hot)
         if staging_pages is None:
             recall = config.pages(config.recall_budget, self.max_pages, config.max_context)
             staging_pages = cold_max if config.attend == "all" else batch_size * max(1, recall)
         self.staging_pages = max(1, min(staging_pages, max(1, cold_max)))
+        self._check_memory(capacities)
+        self.tiers: list[Tier] = []
+        for spec, cap in zip(config.tiers, capacities):
+            self.tiers.append(build_tier(spec, num_layers=num_layers, capacity=cap,
+                                         page_shape=self.page_shape, dtype=dtype,
+                                         device=self.device, fingerprint=fingerprint))
+        self.hbm: MemoryTier = self.tiers[0]  # type: ignore[assignment]
         staging_tier = MemoryTier("staging", 1, RING * self.staging_pages, self.page_shape,
                                   dtype, self.device)
         self.staging = staging_tier.pools[0].view(RING, self.staging_pages, *self.page_shape)
@@ -165,6 +166,34 @@ class TieredKVCache:
         self._calls = 0  # attend calls so far: picks the staging buffer
         self._rng = torch.Generator().manual_seed(config.seed)
         self._rank_noise = torch.rand(b, mp, generator=self._rng)  # the random policy's order
+
+    def _check_memory(self, capacities: list[int]) -> None:
+        """Refuse, with the numbers, a configuration that does not fit, before allocating."""
+        page_bytes = torch.Size(self.page_shape).numel() * \
+            torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        rows = self.batch_size * self.max_pages
+        need: dict[str, list[tuple[str, int]]] = {}
+        dev = "cuda" if self.device.type == "cuda" else "cpu"
+        for spec, cap in zip(self.config.tiers, capacities):
+            if spec.kind != "disk":
+                where = dev if spec.kind == "hbm" else "cpu"
+                need.setdefault(where, []).append(
+                    (f"{spec.kind} pool", self.num_layers * cap * page_bytes))
+        need.setdefault(dev, []).extend([
+            ("staging ring", RING * self.staging_pages * page_bytes),
+            ("page metadata", 2 * self.num_layers * rows * self.num_kv_heads * self.head_dim *
+             itemsize)])
+        need.setdefault("cpu", []).append(("page tables", self.num_layers * rows * 10))
+        for where, items in need.items():
+            total = sum(n for _, n in items)
+            have = available_memory(self.device if where == "cuda" else torch.device("cpu"))
+            if total > 0.9 * have:
+                parts = ", ".join(f"{name} {n / 2**30:.2f} GiB" for name, n in items)
+                raise KVCapacityError(
+                    f"the cache needs {total / 2**30:.2f} GiB on {where} ({parts}) but only "
+                    f"{have / 2**30:.2f} GiB is available (at most 90% may be used); lower "
+                    "max_context, batch_size or the tiers' capacity_pages.")
 
     def _new_layer(self) -> _Layer:
         b, mp = self.batch_size, self.max_pages
@@ -836,7 +865,7 @@ class TieredKVCache:
                 pages[i] = self.tiers[ti].read(layer, [int(st.slot[bi, pg])],
                                                [pg * self.page_size])[0].cpu()
             tensors[f"layer{layer}.pages"] = pages
-            tensors[f"layer{layer}.tier"] = st.tier.clone()
+            tensors[f"layer{layer}.tier"] = st.tier.to(torch.int32)
             tensors[f"layer{layer}.evicted"] = st.evicted.to(torch.uint8)
             tensors[f"layer{layer}.mass"] = st.mass.clone()
             tensors[f"layer{layer}.length"] = torch.tensor([st.length], dtype=torch.int64)
@@ -863,7 +892,7 @@ class TieredKVCache:
                                   "a saved cache of this geometry.")
             fixed = {"alive": (torch.uint8, (b,))}
             for i in range(self.num_layers):
-                fixed.update({f"layer{i}.tier": (torch.int8, (b, mp)),
+                fixed.update({f"layer{i}.tier": (torch.int32, (b, mp)),
                               f"layer{i}.evicted": (torch.uint8, (b, mp)),
                               f"layer{i}.mass": (torch.float32, (b, mp)),
                               f"layer{i}.length": (torch.int64, (1,))})
@@ -882,13 +911,13 @@ class TieredKVCache:
         data = read_kv_file(path, check, max_file_bytes=limit)
         plans = []
         for i in range(self.num_layers):
-            tier = data[f"layer{i}.tier"]
+            tier32 = data[f"layer{i}.tier"]
             length = int(data[f"layer{i}.length"][0])
-            live = (tier != NONE).nonzero()
+            live = (tier32 != NONE).nonzero()
             if len(live) != data[f"layer{i}.pages"].shape[0] or not 0 <= length <= mp * \
-                    self.page_size or (tier >= len(self.tiers)).any() or (tier < NONE).any():
+                    self.page_size or (tier32 >= len(self.tiers)).any() or (tier32 < NONE).any():
                 raise KVFileError(f"{path}: layer{i} tables are inconsistent with its pages.")
-            plans.append((tier, live, length))
+            plans.append((tier32.to(torch.int8), live, length))
         # every check passed: replace the content
         for layer, st in enumerate(self.layers):
             for bi in range(b):

@@ -1,0 +1,57 @@
+"""Shared driver for runtime tests: a multi-layer decode loop over random KV with a shadow copy."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tierattn.cache import TieredKVCache
+
+
+class Shadow:
+    """Plain dense K/V per layer, ``[B, H_kv, n, D]``, and the dense attention over it."""
+
+    def __init__(self, num_layers: int, batch: int, hkv: int, d: int, dtype: torch.dtype):
+        self.k = [torch.zeros(batch, hkv, 0, d, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(batch, hkv, 0, d, dtype=dtype) for _ in range(num_layers)]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer] = torch.cat([self.k[layer], k.cpu()], 2)
+        self.v[layer] = torch.cat([self.v[layer], v.cpu()], 2)
+
+    def attend(self, layer: int, q: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """fp64 causal attention of the newest ``T`` queries; ``keep [B, n]`` masks dropped
+        tokens."""
+        k, v = self.k[layer].double(), self.v[layer].double()
+        b, hq, t, d = q.shape
+        g = hq // k.shape[1]
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        n = k.shape[2]
+        s = q.double().cpu() @ k.transpose(-1, -2) / math.sqrt(d)
+        visible = torch.arange(n)[None, :] <= (n - t + torch.arange(t))[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
+        if keep is not None:
+            s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+
+def run_loop(cache: TieredKVCache, shadow: Shadow, *, prompt: int, steps: int, hq: int,
+             gen: torch.Generator, chunk: int | None = None, check=None) -> float:
+    """Prefill ``prompt`` tokens (in chunks) then decode ``steps`` tokens on every layer;
+    ``check(layer, out, q)`` is called after each attend. Returns the worst |out - dense|."""
+    b, hkv, d = cache.batch_size, cache.num_kv_heads, cache.head_dim
+    chunk = chunk or max(prompt, 1)
+    worst = 0.0
+    sizes = [min(chunk, prompt - i) for i in range(0, prompt, chunk)] + [1] * steps
+    for t in sizes:
+        for layer in range(cache.num_layers):
+            k = torch.randn(b, hkv, t, d, generator=gen).to(cache.dtype)
+            v = torch.randn(b, hkv, t, d, generator=gen).to(cache.dtype)
+            q = torch.randn(b, hq, t, d, generator=gen).to(cache.dtype)
+            cache.update(layer, k, v)
+            shadow.append(layer, k, v)
+            out = cache.attend(layer, q)
+            if check is not None:
+                worst = max(worst, check(layer, out, q))
+    return worst
