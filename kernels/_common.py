@@ -24,7 +24,7 @@ Backend = Literal["auto", "triton", "torch"]
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: dtype of every page id, length and offset handed to a kernel (FlashInfer's convention).
 INDEX_DTYPE = torch.int32
-#: head dims the kernels are tested on; other sizes up to 256 work but are not tested.
+#: largest head dim the kernels accept (tests cover 16..256, odd sizes included).
 MAX_HEAD_DIM = 256
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -157,6 +157,12 @@ def check_softcap(softcap: float | None) -> float:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def default_tiles(head_dim: int) -> tuple[int, int]:
+    """``(block_n, num_warps)`` when the caller gives none: fp32 ``[64, D]`` K/V tiles spill
+    registers past D=128 on GPU, so wide heads use 32-token tiles and 8 warps."""
+    return (64, 4) if head_dim <= 128 else (32, 8)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

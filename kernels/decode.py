@@ -24,10 +24,11 @@ from ._common import (
     _softcap,
     Backend,
     check_gqa,
-    check_tensor,
     check_out,
     check_sm_scale,
     check_softcap,
+    check_tensor,
+    default_tiles,
     dot_precision,
     next_pow2,
     resolve_backend,
@@ -292,7 +293,7 @@ def sparse_decode(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     validate: bool = True,
-    block_n: int = 64,
+    block_n: int | None = None,
     backend: Backend | None = None,
 ) -> DecodeOutput:
     """Decode attention of one query token per sequence over a page list drawn from a pool.
@@ -310,7 +311,8 @@ def sparse_decode(
         lse: optional ``[B, H_q]`` fp32 LSE buffer.
         validate: check every page id and length on the host (one sync on CUDA); the runtime,
             which builds its own tables, passes False. Kernels mask out-of-range ids either way.
-        block_n: tokens per tile (power of two; raised to the padded page size if smaller).
+        block_n: tokens per tile (power of two; raised to the padded page size if smaller;
+            default 64, or 32 for head dims above 128).
         backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
 
     Returns:
@@ -327,6 +329,8 @@ def sparse_decode(
         splits = num_splits
     else:
         raise KernelInputError(f"num_splits must be 'auto' or an int >= 1, got {num_splits!r}.")
+    default_n, num_warps = default_tiles(d)
+    block_n = default_n if block_n is None else block_n
     if not isinstance(block_n, int) or block_n < 1 or block_n & (block_n - 1):
         raise KernelInputError(f"block_n must be a power of two, got {block_n!r}.")
     out = check_out("out", out, (batch, hq, d), torch.float32, q.device)
@@ -375,7 +379,7 @@ def sparse_decode(
             page_lse.stride(0),
             HEAD_ROWS=head_rows, RETURN_MASS=return_page_mass, SOFTCAP=cap,
             P_PAD=p_pad, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
-            DOT_PRECISION=dot_precision(q.dtype),
+            DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
         )
     if part_o.data_ptr() != out.data_ptr() or part_o.shape[0] != 1:
         rows = batch * hq
@@ -433,6 +437,9 @@ def decode_page_mass(
     nnz = page_table.indices.numel()
     check_tensor("page_lse", page_lse, shape=(nnz, group if head_rows else hq),
                  dtypes=(torch.float32,), device=lse.device)
+    if page_table.device != lse.device:
+        raise KernelInputError(f"page_table is on {page_table.device} but lse is on {lse.device}.")
+    page_lse = page_lse if page_lse.stride(-1) == 1 else page_lse.contiguous()
     mass = torch.zeros((nnz,) if head_rows else (nnz, num_kv_heads), dtype=torch.float32,
                        device=lse.device)
     if resolve_backend(backend, lse) == "torch":

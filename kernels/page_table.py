@@ -53,6 +53,24 @@ class PageTable:
     row_count: torch.Tensor
     last_page_len: torch.Tensor
 
+    def __post_init__(self) -> None:
+        # kernels read these as dense int32 arrays: a strided or int64 view would be misread
+        fields = {"indices": self.indices, "row_start": self.row_start,
+                  "row_count": self.row_count, "last_page_len": self.last_page_len}
+        for name, t in fields.items():
+            _index(f"PageTable.{name}", t, 1)
+            if not t.is_contiguous():
+                raise KernelInputError(f"PageTable.{name} must be contiguous; pass "
+                                       f"{name}.contiguous().")
+            if t.device != self.indices.device:
+                raise KernelInputError(f"PageTable.{name} is on {t.device} but indices is on "
+                                       f"{self.indices.device}.")
+        rows = self.row_start.numel()
+        if self.row_count.numel() != rows or self.last_page_len.numel() != rows:
+            raise KernelInputError(
+                f"PageTable.row_start, row_count and last_page_len must have one entry per row; "
+                f"got {rows}, {self.row_count.numel()} and {self.last_page_len.numel()}.")
+
     @classmethod
     def from_csr(
         cls, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor
@@ -78,7 +96,7 @@ class PageTable:
         return cls(
             indices=indices.contiguous(),
             row_start=indptr[:-1].contiguous(),
-            row_count=(indptr[1:] - indptr[:-1]).to(INDEX_DTYPE),
+            row_count=(indptr[1:] - indptr[:-1]).to(INDEX_DTYPE).contiguous(),
             last_page_len=last_page_len.contiguous(),
         )
 
@@ -112,8 +130,8 @@ class PageTable:
         return cls(
             indices=table.contiguous().reshape(-1),
             row_start=start,
-            row_count=count.to(INDEX_DTYPE),
-            last_page_len=last.to(INDEX_DTYPE),
+            row_count=count.to(INDEX_DTYPE).contiguous(),
+            last_page_len=last.to(INDEX_DTYPE).contiguous(),
         )
 
     @property

@@ -28,6 +28,7 @@ from ._common import (
     check_sm_scale,
     check_softcap,
     check_tensor,
+    default_tiles,
     dot_precision,
     next_pow2,
     resolve_backend,
@@ -60,7 +61,8 @@ def _prefill_fwd_kernel(
     q_len = tl.load(qo_indptr_ptr + i_b + 1).to(tl.int64) - qo_start
     row_start = tl.load(row_start_ptr + i_b).to(tl.int64)
     row_count = tl.load(row_count_ptr + i_b).to(tl.int64)
-    last_len = tl.load(last_len_ptr + i_b).to(tl.int64)
+    # clamped: an unvalidated last_page_len can never reach past the row's last page
+    last_len = tl.minimum(tl.maximum(tl.load(last_len_ptr + i_b).to(tl.int64), 0), page_size)
     kv_len = tl.where(row_count > 0, (row_count - 1) * page_size + last_len, 0)
     q_off = kv_len - q_len  # absolute position of the chunk's first query
 
@@ -153,7 +155,8 @@ def _prefill_mass_kernel(
     q_len = tl.load(qo_indptr_ptr + i_b + 1).to(tl.int64) - qo_start
     row_start = tl.load(row_start_ptr + i_b).to(tl.int64)
     row_count = tl.load(row_count_ptr + i_b).to(tl.int64)
-    last_len = tl.load(last_len_ptr + i_b).to(tl.int64)
+    # clamped: an unvalidated last_page_len can never reach past the row's last page
+    last_len = tl.minimum(tl.maximum(tl.load(last_len_ptr + i_b).to(tl.int64), 0), page_size)
     kv_len = tl.where(row_count > 0, (row_count - 1) * page_size + last_len, 0)
     q_off = kv_len - q_len
 
@@ -257,7 +260,8 @@ def _check_prefill_inputs(q, kv_pool, page_table, qo_indptr, sliding_window):
     return batch, num_q_heads, head_dim, page_size, num_kv_heads, group
 
 
-def _plan(q, page_table, qo_indptr, page_size, block_m, pages_per_tile, validate, need_mass):
+def _plan(q, page_table, qo_indptr, page_size, block_m, pages_per_tile, validate, need_mass,
+          causal=True):
     """Host work list (one device->host copy): ``q_items [n, 2]`` = (sequence, first query row)
     and, for the page mass, ``kv_items [k, 2]`` = (sequence, first entry of a KV tile)."""
     batch = qo_indptr.numel() - 1
@@ -269,7 +273,7 @@ def _plan(q, page_table, qo_indptr, page_size, block_m, pages_per_tile, validate
             f"qo_indptr must start at 0, be non-decreasing and end at total_q={q.shape[0]} "
             f"(q.shape[0]); got {indptr.tolist()[:8]}{' ...' if batch > 7 else ''}."
         )
-    if validate:
+    if validate and causal:  # without causality positions do not matter
         kv_lens = torch.where(count > 0, (count - 1) * page_size + last, 0)
         bad = q_lens > kv_lens
         if bad.any():
@@ -376,7 +380,7 @@ def paged_prefill(
     lse: torch.Tensor | None = None,
     validate: bool = True,
     block_m: int = 64,
-    block_n: int = 64,
+    block_n: int | None = None,
     backend: Backend | None = None,
 ) -> PrefillOutput:
     """Attention of prompt chunks (ragged batch) over their sequences' paged KV.
@@ -402,7 +406,8 @@ def paged_prefill(
         lse: optional ``[total_q, H_q]`` fp32 LSE buffer.
         validate: check every page id and length (``q_len <= kv_len``) on the host.
         block_m: query rows per program (power of two, at least 16).
-        block_n: tokens per KV tile (power of two; raised to the padded page size if smaller).
+        block_n: tokens per KV tile (power of two; raised to the padded page size if smaller;
+            default 64, or 32 for head dims above 128).
         backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
 
     Returns:
@@ -413,6 +418,8 @@ def paged_prefill(
         q, kv_pool, page_table, qo_indptr, sliding_window)
     scale = check_sm_scale(sm_scale, d)
     cap = check_softcap(softcap)
+    default_n, num_warps = default_tiles(d)
+    block_n = default_n if block_n is None else block_n
     for name, val in (("block_m", block_m), ("block_n", block_n)):
         if not isinstance(val, int) or val < 1 or val & (val - 1):
             raise KernelInputError(f"{name} must be a power of two, got {val!r}.")
@@ -426,7 +433,7 @@ def paged_prefill(
     block_m = max(block_m, 16)
     block_n = max(block_n, p_pad, 16)
     q_items, kv_items = _plan(q, page_table, qo_indptr, page_size, block_m, block_n // p_pad,
-                              validate, return_page_mass)
+                              validate, return_page_mass, causal)
 
     if resolve_backend(backend, q, kv_pool) == "torch":
         ref = paged_prefill_reference(
@@ -445,7 +452,7 @@ def paged_prefill(
     common = dict(
         CAUSAL=causal, USE_WINDOW=sliding_window is not None, SOFTCAP=cap,
         P_PAD=p_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
     )
     window = sliding_window or 0
     tables = (qo_indptr, page_table.indices, page_table.row_start, page_table.row_count,
@@ -495,7 +502,7 @@ def paged_prefill_mass(
     softcap: float | None = None,
     validate: bool = True,
     block_m: int = 64,
-    block_n: int = 64,
+    block_n: int | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
     """Page mass of a chunk normalised by a given LSE (pass 2 of :func:`paged_prefill` alone).
@@ -518,6 +525,8 @@ def paged_prefill_mass(
     check_tensor("lse", lse, shape=(q.shape[0], hq), dtypes=(torch.float32,), device=q.device)
     scale = check_sm_scale(sm_scale, d)
     cap = check_softcap(softcap)
+    default_n, num_warps = default_tiles(d)
+    block_n = default_n if block_n is None else block_n
     for name, val in (("block_m", block_m), ("block_n", block_n)):
         if not isinstance(val, int) or val < 1 or val & (val - 1):
             raise KernelInputError(f"{name} must be a power of two, got {val!r}.")
@@ -526,7 +535,7 @@ def paged_prefill_mass(
     p_pad = next_pow2(page_size)
     block_m, block_n = max(block_m, 16), max(block_n, p_pad, 16)
     _, kv_items = _plan(q, page_table, qo_indptr, page_size, block_m, block_n // p_pad,
-                        validate, True)
+                        validate, True, bool(causal))
     if resolve_backend(backend, q, kv_pool) == "torch":
         return paged_prefill_reference(
             q, kv_pool, page_table, qo_indptr, sm_scale=scale, causal=bool(causal),
@@ -537,7 +546,7 @@ def paged_prefill_mass(
     common = dict(
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, SOFTCAP=cap,
         P_PAD=p_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
     )
     tables = (qo_indptr.contiguous(), page_table.indices, page_table.row_start,
               page_table.row_count, page_table.last_page_len)
