@@ -39,6 +39,17 @@ def build(kv_lens, hq, hkv, d, page_size, dtype, device, *, head_rows=False, pad
         last = torch.where(torch.tensor(counts) > 0, lens - (torch.tensor(counts) - 1) * page_size,
                            0).to(torch.int32)
         pt = PageTable.from_csr(indptr.to(device), perm.to(device), last.to(device))
+    # poison every slot no row uses and the unfilled tail of each row's last page: a kernel
+    # that reads a token it should not sees NaN
+    used = set(perm.tolist())
+    for s in range(num_slots):
+        if s not in used:
+            pool[s] = float("nan")
+    pos = 0
+    for n, c in zip(rows_lens, counts):
+        if c:
+            pool[int(perm[pos + c - 1]), :, n - (c - 1) * page_size:] = float("nan")
+        pos += c
     return q, pool, pt
 
 

@@ -1,0 +1,130 @@
+"""Kernel edge cases found in review: strided outputs, 64-bit addressing on a > 2^31-element
+pool, normalisation by an outside LSE with empty rows, and the widest page sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierattn.kernels import (
+    PageTable,
+    merge_states,
+    paged_prefill,
+    paged_prefill_mass,
+    sparse_decode,
+    sparse_decode_reference,
+)
+from tierattn.kernels.prefill import paged_prefill_reference
+from tierattn.kernels.testing import check_rule
+
+I32 = torch.int32
+
+
+def _row(slots, last, device="cpu"):
+    n = len(slots)
+    return PageTable.from_csr(torch.tensor([0, n], dtype=I32, device=device),
+                              torch.tensor(slots, dtype=I32, device=device),
+                              torch.tensor([last if n else 0], dtype=I32, device=device))
+
+
+def test_decode_and_merge_write_strided_outputs(device):
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(6, 2, 8, 2, 32, generator=gen).to(device)
+    q = torch.randn(2, 4, 32, generator=gen).to(device)
+    table = PageTable.from_csr(torch.tensor([0, 3, 5], dtype=I32, device=device),
+                               torch.tensor([4, 1, 3, 0, 2], dtype=I32, device=device),
+                               torch.tensor([5, 8], dtype=I32, device=device))
+    base = sparse_decode(q, pool, table, num_splits=2)
+    out = torch.full((32, 4, 2), float("nan"), device=device).permute(2, 1, 0)  # [2, 4, 32]
+    lse = torch.full((4, 2), float("nan"), device=device).T  # [2, 4], strided
+    assert not out.is_contiguous() and not lse.is_contiguous()
+    res = sparse_decode(q, pool, table, num_splits=2, out=out, lse=lse)
+    assert res.out.data_ptr() == out.data_ptr()
+    assert torch.equal(out, base.out) and torch.equal(lse, base.lse)
+    o = torch.randn(3, 4, 16, generator=gen).to(device)
+    s = torch.randn(3, 4, generator=gen).to(device)
+    want = merge_states(o, s)
+    out_m = torch.full((16, 4), float("nan"), device=device).T
+    lse_m = torch.full((4, 2), float("nan"), device=device)[:, 0]
+    merge_states(o, s, out=out_m, out_lse=lse_m)
+    assert torch.equal(out_m, want[0]) and torch.equal(lse_m, want[1])
+
+
+@pytest.fixture(scope="module")
+def huge_pool():
+    """A pool of more than 2^31 elements (4.3 GB of bf16, zero pages mapped lazily by the OS
+    until written); only its first and last slots hold data."""
+    p, h, d = 16, 8, 128
+    slots = (1 << 31) // (2 * p * h * d) + 2
+    pool = torch.zeros(slots, 2, p, h, d, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    pool[-1] = torch.randn(2, p, h, d, generator=gen).to(torch.bfloat16)
+    pool[0] = torch.randn(2, p, h, d, generator=gen).to(torch.bfloat16)
+    return pool
+
+
+def test_decode_reads_past_2_pow_31_elements(huge_pool, figures):
+    last = huge_pool.shape[0] - 1
+    assert huge_pool.numel() > 1 << 31 and last * huge_pool.stride(0) > 1 << 31
+    q = torch.randn(1, 32, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    table = _row([0, last], 9)
+    res = sparse_decode(q, huge_pool, table, return_page_mass=True)
+    small = huge_pool[[0, last]]
+    ref = sparse_decode_reference(q.double(), small.double(), _row([0, 1], 9),
+                                  return_page_mass=True)
+    low = sparse_decode_reference(q, small, _row([0, 1], 9), compute_dtype=torch.bfloat16)
+    c = check_rule(res.out, ref.out, low.out, torch.bfloat16)
+    figures.case("decode", c)
+    assert c.ok, c
+    assert res.page_mass[1].sum() > 0  # the far page was read, not masked
+
+
+def test_prefill_reads_past_2_pow_31_elements(huge_pool, figures):
+    last = huge_pool.shape[0] - 1
+    q = torch.randn(5, 16, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    qo = torch.tensor([0, 5], dtype=I32)
+    res = paged_prefill(q, huge_pool, _row([0, last], 12), qo)
+    small = huge_pool[[0, last]]
+    ref = paged_prefill_reference(q.double(), small.double(), _row([0, 1], 12), qo)
+    low = paged_prefill_reference(q, small, _row([0, 1], 12), qo, compute_dtype=torch.bfloat16)
+    c = check_rule(res.out, ref.out, low.out, torch.bfloat16)
+    figures.case("prefill", c)
+    assert c.ok, c
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_prefill_mass_under_outside_lse_kernel_matches_reference(dt, device, figures):
+    gen = torch.Generator().manual_seed(4)
+    pages = torch.randn(6, 2, 8, 2, 40, generator=gen).to(dt)
+    q = torch.randn(7, 8, 40, generator=gen).to(dt)
+    table, qo = _row([5, 0, 2, 3], 6), torch.tensor([0, 7], dtype=I32)
+    kw = dict(sliding_window=11, softcap=15.0)
+    lse = paged_prefill(q, pages, table, qo, **kw).lse + 0.3  # as if merged with other pages
+    lse[2, 1] = float("-inf")  # an empty row contributes nothing, never NaN
+    got = paged_prefill_mass(q.to(device), pages.to(device), table.to(device), qo.to(device),
+                             lse.to(device), **kw)
+    ref = paged_prefill_reference(q.double(), pages.double(), table, qo, return_page_mass=True,
+                                  mass_lse=lse.double(), **kw).page_mass
+    low = paged_prefill_reference(q, pages, table, qo, return_page_mass=True, mass_lse=lse,
+                                  compute_dtype=dt, **kw).page_mass
+    c = check_rule(got, ref, low, dt)
+    figures.case("prefill", c)
+    assert c.ok and not torch.isnan(got).any(), c
+
+
+@pytest.mark.parametrize("page_size", [128, 100])
+def test_decode_widest_pages(page_size, device, figures):
+    gen = torch.Generator().manual_seed(page_size)
+    pool = torch.randn(4, 2, page_size, 2, 64, generator=gen).to(torch.bfloat16)
+    q = torch.randn(1, 4, 64, generator=gen).to(torch.bfloat16)
+    table = _row([3, 0, 2], page_size - 7)
+    res = sparse_decode(q.to(device), pool.to(device), table.to(device), num_splits=2,
+                        return_page_mass=True)
+    ref = sparse_decode_reference(q.double(), pool.double(), table, return_page_mass=True)
+    low = sparse_decode_reference(q, pool, table, return_page_mass=True,
+                                  compute_dtype=torch.bfloat16)
+    c = max(check_rule(res.out, ref.out, low.out, torch.bfloat16),
+            check_rule(res.page_mass, ref.page_mass, low.page_mass, torch.bfloat16),
+            key=lambda r: r.ratio)
+    figures.case("decode", c)
+    assert c.ok, c
