@@ -87,6 +87,10 @@ class Figures:
     def bad_input(self, kernel: str) -> None:
         self._write(kind="bad_input", kernel=kernel)
 
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to a named figure outside the kernel table (e.g. files rejected)."""
+        self._write(kind="count", kernel="", name=name, n=n)
+
 
 @pytest.fixture(scope="session")
 def figures(request: pytest.FixtureRequest) -> Figures:
@@ -115,8 +119,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     worst: dict[str, float] = defaultdict(float)
     masks: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     bad: dict[str, int] = defaultdict(int)
+    counts: dict[str, int] = defaultdict(int)
     for e in events:
         k = e["kernel"]
+        if e["kind"] == "count":
+            counts[e["name"]] += e["n"]
+            continue
         if e["kind"] == "case":
             cases[k] += 1
             randoms[k] += e["random"]
@@ -127,6 +135,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
         else:
             bad[k] += 1
     kernels = sorted(set(cases) | set(masks) | set(bad))
+    if not kernels and not counts:
+        return
     tr = terminalreporter
     tr.section("tierattn kernel figures")
     tr.write_line(f"device: {DEVICE} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')})")
@@ -141,3 +151,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
                   f"{max(worst.values(), default=0.0):>16.4f} "
                   f"{f'{tot_m[0]}/{tot_m[1]}':>14} {sum(bad.values()):>11}")
     tr.write_line("(worst err ratio = max|out-ref| / (2*max|torch_lowp-ref| + floor); <= 1 passes)")
+    for name, n in sorted(counts.items()):
+        tr.write_line(f"{name}: {n}")

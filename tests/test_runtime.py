@@ -18,7 +18,7 @@ L, HKV, HQ, D = 3, 2, 4, 16
 
 def make(cfg, batch=2, dtype=torch.float32, **kw):
     return TieredKVCache(cfg, num_layers=L, num_kv_heads=HKV, head_dim=D, batch_size=batch,
-                         dtype=dtype, device="cpu", **kw)
+                         dtype=dtype, device="cpu", poison_freed=True, **kw)
 
 
 def exact_check(shadow, cache, tol):
@@ -166,7 +166,7 @@ def test_all_tiers_full_raises_and_leaves_state_untouched(seed):
     tiers = (TierSpec("hbm"), TierSpec("ddr", capacity_pages=2))
     cfg = TierConfig(page_size=4, hot_budget=0.25, tiers=tiers, max_context=128,
                      prefill_chunk_size=64, backend="torch")
-    cache, shadow = make(cfg, batch=1), Shadow(L, 1, HKV, D, torch.float32)
+    cache = make(cfg, batch=1)
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(1, HKV, 40, D, generator=gen)
     cache.update(0, k, k)

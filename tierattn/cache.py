@@ -77,7 +77,7 @@ class _Layer:
 
 @dataclass
 class _Prefetch:
-    ticket: object
+    tickets: list  # one per source tier
     buffer: int
     pages: list[list[int]]  # per sequence, logical pages in flight
     slots: list[list[int]]  # their staging slots
@@ -107,12 +107,15 @@ class TieredKVCache:
         staging_pages: slots per staging buffer (default: every cold page of the batch for
             ``attend="all"``, the recall budget for ``"topk"``); larger cold sets are attended
             in several batches and merged.
+        poison_freed: fill every released memory-tier slot with NaN (a debugging aid: a
+            later read of a freed slot shows up as NaN; costs one fill per release).
     """
 
     def __init__(self, config: TierConfig, *, num_layers: int, num_kv_heads: int,
                  head_dim: int, batch_size: int = 1, dtype: torch.dtype = torch.float32,
                  device: str | torch.device | None = None, engine: TransferEngine | None = None,
-                 fingerprint: str = "tierattn", staging_pages: int | None = None) -> None:
+                 fingerprint: str = "tierattn", staging_pages: int | None = None,
+                 poison_freed: bool = False) -> None:
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("batch_size", batch_size)):
             if not isinstance(v, int) or v < 1:
@@ -153,6 +156,8 @@ class TieredKVCache:
                                          page_shape=self.page_shape, dtype=dtype,
                                          device=self.device, fingerprint=fingerprint))
         self.hbm: MemoryTier = self.tiers[0]  # type: ignore[assignment]
+        for tier in self.tiers:
+            tier.poison_freed = poison_freed
         staging_tier = MemoryTier("staging", 1, RING * self.staging_pages, self.page_shape,
                                   dtype, self.device)
         self.staging = staging_tier.pools[0].view(RING, self.staging_pages, *self.page_shape)
@@ -248,6 +253,8 @@ class TieredKVCache:
         first_new, end = math.ceil(n0 / p), math.ceil(n1 / p)
         alive = self.alive.nonzero().flatten().tolist()
         new = end - first_new
+        if self.hbm.num_free(layer) < new * len(alive):
+            self._make_room(layer, new * len(alive))
         slots = self.hbm.alloc(layer, new * len(alive))  # raises before any state changes
         for i, bi in enumerate(alive):
             st.slot[bi, first_new:end] = torch.tensor(slots[i * new:(i + 1) * new],
@@ -433,15 +440,21 @@ class TieredKVCache:
         ready to read. Pages already prefetched for this layer are used in place (hits)."""
         st, tel = self.layers[layer], self.telemetry.layers[layer]
         pre, st.prefetch = st.prefetch, None
+        buffer = pre.buffer if pre else buffer
+        for other, ost in enumerate(self.layers):
+            if ost.prefetch is not None and ost.prefetch.buffer == buffer:
+                # layers attended out of order: another layer's prefetch targets this buffer;
+                # let it land and drop it rather than overwrite a copy in flight
+                self._cancel_prefetch(other)
         if not any(need):
             if pre is not None:
                 tel.wasted_prefetches += sum(len(x) for x in pre.pages)
-                self.engine.wait(pre.ticket)
+                self._wait_all(pre.tickets)
             return
-        first = _Staged(pre.buffer if pre else buffer)
+        first = _Staged(buffer)
         used = set()
         if pre is not None:
-            self.engine.wait(pre.ticket)
+            self._wait_all(pre.tickets)
             for bi, (pages, slots) in enumerate(zip(pre.pages, pre.slots)):
                 want = set(need[bi])
                 keep = [(pg, sl) for pg, sl in zip(pages, slots) if pg in want]
@@ -475,12 +488,25 @@ class TieredKVCache:
                 run.slots[bi].append(sl)
         yield run
 
+    def _cancel_prefetch(self, layer: int) -> None:
+        """Let ``layer``'s copies in flight land, then forget them (their buffer is free)."""
+        st = self.layers[layer]
+        if st.prefetch is not None:
+            self._wait_all(st.prefetch.tickets)
+            self.telemetry.layers[layer].wasted_prefetches += sum(
+                len(x) for x in st.prefetch.pages)
+            st.prefetch = None
+
+    def _wait_all(self, tickets: list) -> None:
+        for ticket in tickets:
+            self.engine.wait(ticket)
+
     def _copy_in(self, layer: int, batch: list[tuple[int, int]], buffer: int, slots: list[int],
-                 *, after: object = None, wait: bool = True) -> object:
+                 *, after: object = None, wait: bool = True) -> list:
         """Copy cold pages ``(sequence, page)`` into staging ``slots``: one launch per source
-        tier; returns the last ticket (already waited on when ``wait``)."""
+        tier; returns the tickets (already waited on when ``wait``)."""
         st, tel = self.layers[layer], self.telemetry.layers[layer]
-        ticket = None
+        tickets = []
         by_tier: dict[int, list[tuple[int, int, int]]] = {}
         for (bi, pg), sl in zip(batch, slots):
             by_tier.setdefault(int(st.tier[bi, pg]), []).append((bi, pg, sl))
@@ -494,6 +520,7 @@ class TieredKVCache:
                     tier.pool(layer), torch.tensor(src, dtype=torch.int32, device=tier.device),
                     dst_pool, torch.tensor(dst, dtype=torch.int32, device=self.device),
                     after=after)
+                tickets.append(ticket)
                 tel.copy_launches += 1
                 if wait:
                     self.engine.wait(ticket)
@@ -503,7 +530,7 @@ class TieredKVCache:
                     pages.to(self.device)
                 tel.copy_launches += 1
             tel.h2d_bytes[tier.kind] += len(items) * self.page_bytes
-        return ticket
+        return tickets
 
     def _prefetch_next(self, layer: int, q: torch.Tensor | None) -> None:
         """Start fetching what the next layer (or layer 0 of the next step) will attend."""
@@ -533,9 +560,9 @@ class TieredKVCache:
             pos += len(row)
         batch = [(bi, pg) for bi, row in enumerate(pages) for pg in row]
         flat_slots = [s for row in slots for s in row]
-        ticket = self._copy_in(nxt, batch, buffer, flat_slots, after=self.engine.fence(),
-                               wait=False)
-        st.prefetch = _Prefetch(ticket, buffer, pages, slots)
+        tickets = self._copy_in(nxt, batch, buffer, flat_slots, after=self.engine.fence(),
+                                wait=False)
+        st.prefetch = _Prefetch(tickets, buffer, pages, slots)
 
     # --- importance and policy ---------------------------------------------------------------
 
@@ -678,6 +705,26 @@ class TieredKVCache:
                 drop = cand[torch.argsort(rank[bi, cand], stable=True)[:extra]].tolist()
                 self._drop(layer, bi, drop)
 
+    def _make_room(self, layer: int, need: int) -> None:
+        """Demote the least important hot pages until ``need`` HBM slots are free (pages were
+        moved into HBM by hand, or the budget shrank)."""
+        st = self.layers[layer]
+        n_pages = self.num_pages(layer)
+        short = need - self.hbm.num_free(layer)
+        must = self._must_hot(n_pages)
+        rank = self._rank(layer, n_pages) if n_pages else None
+        cands = sorted((float(rank[bi, pg]), bi, pg)
+                       for bi in self.alive.nonzero().flatten().tolist()
+                       for pg in ((st.tier[bi, :n_pages] == HOT) & ~must).nonzero().flatten()
+                       .tolist())
+        if len(self.tiers) == 1 or len(cands) < short:
+            raise KVCapacityError(
+                f"hbm tier is full for layer {layer}: {need} pages needed, "
+                f"{self.hbm.num_free(layer)} of {self.hbm.capacity} free and "
+                f"{len(cands) if len(self.tiers) > 1 else 0} can be demoted; raise its "
+                "capacity_pages or prefill in smaller chunks.")
+        self._demote(layer, [(bi, pg) for _, bi, pg in cands[:short]])
+
     def _evict_pages(self, length: int) -> int:
         budget = self.config.evict_budget
         tokens = budget * length if isinstance(budget, float) else budget
@@ -741,6 +788,7 @@ class TieredKVCache:
     def move(self, layer: int, sequence: int, page: int, tier: int) -> None:
         """Move one live page to another tier (spill to disk, reload, demote by hand)."""
         st = self.layers[layer]
+        self._cancel_prefetch(layer)  # a copy in flight may still read the slot freed below
         src_t, src_s = int(st.tier[sequence, page]), int(st.slot[sequence, page])
         if src_t == NONE:
             raise KernelInputError(f"page {page} of sequence {sequence} does not exist "
@@ -754,9 +802,20 @@ class TieredKVCache:
         self.tiers[src_t].release(layer, [src_s])
         st.tier[sequence, page], st.slot[sequence, page] = tier, slot
 
+    def evict(self, layer: int, sequence: int, pages: list[int]) -> None:
+        """Drop ``pages`` of ``sequence`` in ``layer`` for good (counted as evicted tokens)."""
+        st = self.layers[layer]
+        bad = [pg for pg in pages if not 0 <= pg < self.max_pages or
+               int(st.tier[sequence, pg]) == NONE]
+        if bad:
+            raise KernelInputError(f"pages {bad} of sequence {sequence} do not exist.")
+        self._cancel_prefetch(layer)
+        self._drop(layer, sequence, pages)
+
     def free(self, sequence: int) -> None:
         """Release every page of ``sequence``; it attends nothing until :meth:`reset`."""
         for layer, st in enumerate(self.layers):
+            self._cancel_prefetch(layer)
             pages = (st.tier[sequence] != NONE).nonzero().flatten().tolist()
             for ti, tier in enumerate(self.tiers):
                 sl = [int(st.slot[sequence, pg]) for pg in pages
@@ -769,62 +828,78 @@ class TieredKVCache:
 
     def reorder(self, index: torch.Tensor | list[int]) -> None:
         """Sequence ``i`` becomes old sequence ``index[i]`` (beam search). A sequence chosen
-        twice gets its own copy of every page; one not chosen is freed."""
+        twice gets its own copy of every page (in its tier, or the next one with room); one
+        not chosen is freed. Raises :class:`KVCapacityError`, changing nothing, when the
+        copies do not fit."""
         index = [int(i) for i in (index.tolist() if isinstance(index, torch.Tensor) else index)]
         if len(index) != self.batch_size or not all(0 <= i < self.batch_size for i in index):
             raise KernelInputError(f"reorder index must list {self.batch_size} sequence ids in "
                                    f"0..{self.batch_size - 1}, got {index}.")
-        seen: set[int] = set()
+        dropped = [b for b in range(self.batch_size) if b not in index]
+        firsts = {old: new for new, old in reversed(list(enumerate(index)))}
+        dups = [(new, old) for new, old in enumerate(index) if firsts[old] != new]
+        # plan every copy before changing anything: pages of dropped rows free up first
+        plans = []
         for layer, st in enumerate(self.layers):
-            old = (st.tier.clone(), st.slot.clone(), st.evicted.clone(), st.mass.clone())
-            first_use: dict[int, int] = {}
-            for new_b, old_b in enumerate(index):
-                st.tier[new_b], st.slot[new_b] = old[0][old_b], old[1][old_b]
-                st.evicted[new_b], st.mass[new_b] = old[2][old_b], old[3][old_b]
-                if old_b in first_use:  # duplicate: copy its pages to fresh slots
-                    for pg in (st.tier[new_b] != NONE).nonzero().flatten().tolist():
-                        ti = int(st.tier[new_b, pg])
-                        (slot,) = self.tiers[ti].alloc(layer, 1)
-                        data = self.tiers[ti].read(layer, [int(st.slot[new_b, pg])],
-                                                   [pg * self.page_size])
-                        self.tiers[ti].write(layer, [slot], data, [pg * self.page_size])
-                        st.slot[new_b, pg] = slot
-                else:
-                    first_use[old_b] = new_b
-            for old_b in range(self.batch_size):
-                if old_b not in first_use:
-                    for pg in (old[0][old_b] != NONE).nonzero().flatten().tolist():
-                        self.tiers[int(old[0][old_b, pg])].release(layer,
-                                                                   [int(old[1][old_b, pg])])
+            free = [t.num_free(layer) for t in self.tiers]
+            for old in dropped:
+                for ti in st.tier[old][st.tier[old] != NONE].tolist():
+                    free[ti] += 1
+            copies = []
+            for new, old in dups:
+                for pg in (st.tier[old] != NONE).nonzero().flatten().tolist():
+                    src = int(st.tier[old, pg])
+                    dst = next((t for t in [src] + list(range(len(self.tiers))) if free[t]), None)
+                    if dst is None:
+                        raise KVCapacityError(
+                            f"reorder duplicates sequences {sorted({o for _, o in dups})} but "
+                            f"layer {layer} has no free slot left in any tier for their copies; "
+                            "raise the tiers' capacity_pages.")
+                    free[dst] -= 1
+                    copies.append((new, old, pg, dst))
+            plans.append(copies)
+        for layer, (st, copies) in enumerate(zip(self.layers, plans)):
+            self._cancel_prefetch(layer)  # its copies may read slots released below
+            old_tables = (st.tier.clone(), st.slot.clone(), st.evicted.clone(), st.mass.clone())
+            for old in dropped:
+                for pg in (old_tables[0][old] != NONE).nonzero().flatten().tolist():
+                    self.tiers[int(old_tables[0][old, pg])].release(
+                        layer, [int(old_tables[1][old, pg])])
             rows = torch.tensor(index)
-            b_mp = self.max_pages
-            src = (rows[:, None] * b_mp + torch.arange(b_mp)).flatten().to(self.device)
-            self.kmin[layer] = self.kmin[layer][src]
-            self.kmax[layer] = self.kmax[layer][src]
-            st.prefetch, st.selection = None, None
-            seen.update(index)
+            st.tier, st.slot = old_tables[0][rows], old_tables[1][rows]
+            st.evicted, st.mass = old_tables[2][rows], old_tables[3][rows]
+            for new, old, pg, dst in copies:
+                src_t, src_s = int(old_tables[0][old, pg]), int(old_tables[1][old, pg])
+                (slot,) = self.tiers[dst].alloc(layer, 1)
+                data = self.tiers[src_t].read(layer, [src_s], [pg * self.page_size])
+                self.tiers[dst].write(layer, [slot], data, [pg * self.page_size])
+                st.tier[new, pg], st.slot[new, pg] = dst, slot
+            src = (rows[:, None] * self.max_pages + torch.arange(self.max_pages)).flatten()
+            self.kmin[layer] = self.kmin[layer][src.to(self.device)]
+            self.kmax[layer] = self.kmax[layer][src.to(self.device)]
+            st.selection = None
         self.alive = self.alive[torch.tensor(index)]
         self._rank_noise = self._rank_noise[torch.tensor(index)]
 
     def gather(self, layer: int, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every live token of ``sequence`` as ``(positions [n], kv [n, 2, H_kv, D])`` on the
-        CPU, read from wherever it lives (tests compare it with a shadow copy)."""
+        CPU, read from wherever it lives: one read per tier (tests compare it with a shadow)."""
         st, p = self.layers[layer], self.page_size
         n_pages = self.num_pages(layer)
-        pos, kv = [], []
-        for pg in range(n_pages):
-            ti = int(st.tier[sequence, pg])
-            if ti == NONE:
-                continue
-            page = self.tiers[ti].read(layer, [int(st.slot[sequence, pg])], [pg * p])[0].cpu()
-            n = min(p, st.length - pg * p)
-            pos.append(torch.arange(pg * p, pg * p + n))
-            kv.append(page[:, :n].permute(1, 0, 2, 3))
-        if not pos:
-            return torch.zeros(0, dtype=torch.long), torch.zeros(0, *self.page_shape[:1],
-                                                                  self.num_kv_heads,
-                                                                  self.head_dim, dtype=self.dtype)
-        return torch.cat(pos), torch.cat(kv)
+        tiers = st.tier[sequence, :n_pages]
+        live = (tiers != NONE).nonzero().flatten()
+        pages = torch.empty(len(live), *self.page_shape, dtype=self.dtype)
+        for ti, tier in enumerate(self.tiers):
+            sel = (tiers[live] == ti).nonzero().flatten()
+            if len(sel):
+                pg = live[sel]
+                pages[sel] = tier.read(layer, st.slot[sequence, pg].tolist(),
+                                       (pg * p).tolist()).cpu()
+        pos = (live[:, None] * p + torch.arange(p)).flatten()
+        kv = pages.permute(0, 2, 1, 3, 4).reshape(len(live) * p, 2, self.num_kv_heads,
+                                                   self.head_dim)
+        keep = pos < st.length  # the unfilled tail of the last page is not a token
+        return pos[keep], kv[keep]
 
     # --- telemetry -----------------------------------------------------------------------------
 
@@ -909,6 +984,8 @@ class TieredKVCache:
                                       f"expected {dt} {list(shape)}.")
 
         data = read_kv_file(path, check, max_file_bytes=limit)
+        for layer in range(self.num_layers):
+            self._cancel_prefetch(layer)
         plans = []
         for i in range(self.num_layers):
             tier32 = data[f"layer{i}.tier"]

@@ -59,6 +59,8 @@ class Tier(ABC):
     """Slots holding whole pages, per layer, with a free list."""
 
     kind: str
+    #: fill released slots with NaN (memory tiers), so a read after free shows
+    poison_freed: bool = False
 
     def __init__(self, kind: str, num_layers: int, capacity: int, page_shape: tuple[int, ...],
                  dtype: torch.dtype) -> None:
@@ -125,6 +127,12 @@ class MemoryTier(Tier):
     def pool(self, layer: int) -> torch.Tensor:
         """``[capacity, 2, page_size, H_kv, D]`` view of ``layer``'s pool."""
         return self.pools[layer]
+
+    def release(self, layer, slots):
+        if self.poison_freed and slots:
+            idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+            self.pools[layer].index_fill_(0, idx, float("nan"))
+        super().release(layer, slots)
 
     def read(self, layer, slots, token_starts):
         return self.pools[layer][torch.tensor(slots, dtype=torch.long)]

@@ -41,14 +41,14 @@ class TransferEngine(ABC):
              dst_slots: torch.Tensor, *, after: object = None) -> object:
         """Copy ``src_pool[src_slots[i]] -> dst_pool[dst_slots[i]]`` (int32 slots); a ticket."""
 
-    def wait(self, ticket: object) -> None:
+    def wait(self, ticket: object) -> None:  # noqa: B027 - synchronous engines: nothing to do
         """Make the destination of ``ticket`` readable by what the compute stream does next."""
 
     def fence(self) -> object:
         """A marker of the compute work issued so far (pass it as ``after=`` to a copy)."""
         return None
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027 - synchronous engines: nothing to do
         """Block until every copy issued so far has landed."""
 
 
