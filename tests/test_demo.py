@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from tierattn.eval.demo import format_report, main, run_demo
 
 
@@ -25,3 +27,19 @@ def test_demo_writes_json(tmp_path, device):
     main(out=str(path), context=256, device=device)
     data = json.loads(path.read_text())
     assert {r["method"].split(" ")[0] for r in data["rows"]} == {"evict", "offload,"}
+
+
+def test_loop_runs_every_preset_small():
+    from tierattn.eval.loop import format_stats, run_loop
+
+    for preset in ("offload", "topk", "evict-h2o"):
+        res = run_loop(preset=preset, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,
+                       prompt=64, steps=4, dtype=torch.float32, device="cpu", progress=False,
+                       backend="torch")
+        total = res["stats"]["total"]
+        assert total["attend_calls"] == 2 * 5 and "resident fraction" in format_stats(res)
+        if preset == "offload":
+            assert total["copy_launches_per_layer_per_step"] >= 1.0
+            assert total["prefetch_hit_rate"] == 1.0 and total["evicted_tokens"] == 0
+        if preset == "evict-h2o":
+            assert total["evicted_tokens"] > 0 and total["h2d_bytes_total"] == 0

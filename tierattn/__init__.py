@@ -16,12 +16,39 @@ from tierattn.errors import (
 
 __version__ = "0.1.0"
 
+# The runtime imports torch and triton; load it on first use so `import tierattn` stays free
+# of side effects (PEP 562).
+_LAZY = {
+    "TierConfig": "tierattn.config",
+    "TierSpec": "tierattn.config",
+    "PRESETS": "tierattn.config",
+    "TieredKVCache": "tierattn.cache",
+    "FakeAsyncEngine": "tierattn.transfer",
+    "CPUTransferEngine": "tierattn.transfer",
+    "CUDATransferEngine": "tierattn.transfer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tierattn' has no attribute {name!r}")
+
 __all__ = [
+    "CPUTransferEngine",
+    "CUDATransferEngine",
+    "FakeAsyncEngine",
     "KVCapacityError",
     "KVFileError",
     "KernelInputError",
     "KernelUnsupportedError",
     "TierAttnError",
+    "PRESETS",
+    "TierConfig",
     "TierConfigError",
+    "TierSpec",
+    "TieredKVCache",
     "__version__",
 ]

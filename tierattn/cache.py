@@ -169,6 +169,7 @@ class TieredKVCache:
         self.layers = [self._new_layer() for _ in range(num_layers)]
         self.telemetry = Telemetry(num_layers)
         self._calls = 0  # attend calls so far: picks the staging buffer
+        self._decoding = False  # the current attend is a decode step (telemetry)
         self._rng = torch.Generator().manual_seed(config.seed)
         self._rank_noise = torch.rand(b, mp, generator=self._rng)  # the random policy's order
 
@@ -321,6 +322,7 @@ class TieredKVCache:
             raise KernelInputError(f"q has T={t} queries but layer {layer} holds {st.length} "
                                    "tokens; call update(layer, k, v) first.")
         decode = t == 1
+        self._decoding = decode
         buffer = self._calls % RING
         self._calls += 1
         qd = q.to(self.device, self.dtype)
@@ -522,6 +524,7 @@ class TieredKVCache:
                     after=after)
                 tickets.append(ticket)
                 tel.copy_launches += 1
+                tel.copy_launches_decode += self._decoding
                 if wait:
                     self.engine.wait(ticket)
             else:  # disk: validated reads, then one indexed host->device copy
@@ -529,7 +532,10 @@ class TieredKVCache:
                 dst_pool[torch.tensor(dst, dtype=torch.long, device=self.device)] = \
                     pages.to(self.device)
                 tel.copy_launches += 1
+                tel.copy_launches_decode += self._decoding
             tel.h2d_bytes[tier.kind] += len(items) * self.page_bytes
+            if self._decoding:
+                tel.h2d_decode_bytes += len(items) * self.page_bytes
         return tickets
 
     def _prefetch_next(self, layer: int, q: torch.Tensor | None) -> None:
@@ -776,6 +782,7 @@ class TieredKVCache:
                                                                 device=self.device)],
                            [pg * self.page_size for _, pg in items])
             tel.copy_launches += 1
+            tel.copy_launches_decode += self._decoding
             tel.d2h_bytes[tier.kind] += len(items) * self.page_bytes
             tel.demoted_pages += len(items)
             self.hbm.release(layer, src)

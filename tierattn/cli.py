@@ -1,6 +1,7 @@
 """The ``tierattn`` command line. Only subcommands that work are listed.
 
     tierattn demo [--context N] [--out FILE]   kernel demo: evict vs offload at a 25% HBM budget
+    tierattn loop [--preset P] [--out FILE]    multi-layer decode loop of the tiered runtime
     tierattn info                              versions, device, backend, interpreter mode
 """
 
@@ -25,6 +26,30 @@ def _cmd_demo(args: argparse.Namespace) -> int:
               hot_fraction=args.hot_fraction, recall_fraction=args.recall_fraction,
               seed=args.seed, dtype=dtypes[args.dtype], device=args.device)
     return 0
+
+
+def _cmd_loop(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.interpret and not torch.cuda.is_available() and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from tierattn.eval.loop import main as loop_main
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    overrides = {k: v for k, v in (("hot_budget", args.hot_budget),
+                                   ("evict_budget", args.evict_budget),
+                                   ("backend", args.backend)) if v is not None}
+    loop_main(out=args.out, preset=args.preset, num_layers=args.layers,
+              num_q_heads=args.q_heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+              batch_size=args.batch, prompt=args.prompt, steps=args.steps,
+              page_size=args.page_size, dtype=dtypes[args.dtype], device=args.device,
+              **overrides)
+    return 0
+
+
+def _budget(text: str) -> int | float:
+    """Tokens when the text is an integer, a fraction otherwise."""
+    return float(text) if any(c in text for c in ".e") else int(text)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -68,6 +93,30 @@ def build_parser() -> argparse.ArgumentParser:
                       help="on CPU, use the torch reference backend instead of the Triton "
                            "interpreter")
     demo.set_defaults(func=_cmd_demo)
+
+    loop = sub.add_parser("loop", help="multi-layer decode loop over random KV in any preset; "
+                          "prints the runtime's telemetry")
+    loop.add_argument("--preset", default="offload",
+                      choices=("dense", "offload", "topk", "evict-h2o", "evict-streaming",
+                               "evict-snapkv"))
+    loop.add_argument("--layers", type=int, default=32)
+    loop.add_argument("--q-heads", type=int, default=32)
+    loop.add_argument("--kv-heads", type=int, default=8)
+    loop.add_argument("--head-dim", type=int, default=128)
+    loop.add_argument("--batch", type=int, default=1)
+    loop.add_argument("--prompt", type=int, default=1024, help="prompt tokens (default 1024)")
+    loop.add_argument("--steps", type=int, default=16, help="decoded tokens (default 16)")
+    loop.add_argument("--page-size", type=int, default=16)
+    loop.add_argument("--hot-budget", type=_budget, default=None,
+                      help="tokens (int) or fraction (float) kept in HBM; default: the preset's")
+    loop.add_argument("--evict-budget", type=_budget, default=None)
+    loop.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    loop.add_argument("--device", default=None)
+    loop.add_argument("--backend", choices=("auto", "triton", "torch"), default="torch",
+                      help="kernel backend (default torch: the interpreter is slow on long loops)")
+    loop.add_argument("--out", default=None, help="also write config + stats as JSON")
+    loop.add_argument("--no-interpret", dest="interpret", action="store_false")
+    loop.set_defaults(func=_cmd_loop)
 
     info = sub.add_parser("info", help="versions, device and backend")
     info.set_defaults(func=_cmd_info)

@@ -18,7 +18,9 @@ class LayerCounters:
 
     h2d_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # by source tier
     d2h_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # by destination
+    h2d_decode_bytes: int = 0  # the part of h2d_bytes moved during decode steps
     copy_launches: int = 0
+    copy_launches_decode: int = 0  # the part of copy_launches issued during decode steps
     kernel_launches: int = 0
     prefetch_hits: int = 0  # pages a layer needed that were already in flight
     late_misses: int = 0  # pages fetched synchronously because no prefetch covered them
@@ -34,7 +36,9 @@ class LayerCounters:
             "h2d_bytes": dict(self.h2d_bytes), "d2h_bytes": dict(self.d2h_bytes),
             "h2d_bytes_total": sum(self.h2d_bytes.values()),
             "d2h_bytes_total": sum(self.d2h_bytes.values()),
+            "h2d_decode_bytes": self.h2d_decode_bytes,
             "copy_launches": self.copy_launches, "kernel_launches": self.kernel_launches,
+            "copy_launches_decode": self.copy_launches_decode,
             "prefetch_hits": self.prefetch_hits, "late_misses": self.late_misses,
             "wasted_prefetches": self.wasted_prefetches, "evicted_tokens": self.evicted_tokens,
             "demoted_pages": self.demoted_pages, "attend_calls": self.attend_calls,
@@ -60,7 +64,8 @@ class Telemetry:
             d["resident_fraction"] = resident
             per_layer.append(d)
         total: dict = {}
-        for key in ("h2d_bytes_total", "d2h_bytes_total", "copy_launches", "kernel_launches",
+        for key in ("h2d_bytes_total", "d2h_bytes_total", "h2d_decode_bytes", "copy_launches",
+                    "copy_launches_decode", "kernel_launches",
                     "prefetch_hits", "late_misses", "wasted_prefetches", "evicted_tokens",
                     "demoted_pages", "attend_calls", "host_time_s"):
             total[key] = sum(d[key] for d in per_layer)
@@ -76,9 +81,9 @@ class Telemetry:
         steps = max((d["decode_steps"] for d in per_layer), default=0)
         total["decode_steps"] = steps
         if steps:
-            total["h2d_bytes_per_decode_step"] = total["h2d_bytes_total"] / steps
+            total["h2d_bytes_per_decode_step"] = total["h2d_decode_bytes"] / steps
             total["copy_launches_per_layer_per_step"] = \
-                total["copy_launches"] / (steps * max(1, len(per_layer)))
+                total["copy_launches_decode"] / (steps * max(1, len(per_layer)))
         hits, misses = total["prefetch_hits"], total["late_misses"]
         total["prefetch_hit_rate"] = hits / (hits + misses) if hits + misses else None
         return {"total": total, "layers": per_layer}
