@@ -57,6 +57,21 @@ def test_attend_all_equals_dense_at_every_step(tiers, hot, prefetch, seed):
             assert torch.equal(kv, ref)
 
 
+def test_page_size_one_demotes_every_step_and_stays_exact(seed):
+    cfg = TierConfig(page_size=1, hot_budget=8, attend="all", tiers=TIER_SETS["ddr+cxl"],
+                     max_context=96, prefill_chunk_size=16, backend="torch")
+    cache, shadow = make(cfg, batch=2), Shadow(L, 2, HKV, D, torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    demoted = []
+
+    def check(layer, out, q):
+        demoted.append(cache.telemetry.layers[layer].demoted_pages)
+        return exact_check(shadow, cache, 2e-5)(layer, out, q)
+    run_loop(cache, shadow, prompt=20, steps=30, hq=HQ, gen=gen, chunk=10, check=check)
+    per_step = [b - a for a, b in zip(demoted[::L][2:], demoted[::L][3:])]  # layer 0, decode
+    assert per_step and all(n >= 1 for n in per_step)  # a page leaves HBM at every step
+
+
 def test_disk_tier_exact_and_files_validated(tmp_path, seed):
     tiers = (TierSpec("hbm"), TierSpec("ddr", capacity_pages=4),
              TierSpec("disk", path=str(tmp_path)))
