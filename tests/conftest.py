@@ -138,18 +138,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if not kernels and not counts:
         return
     tr = terminalreporter
-    tr.section("tierattn kernel figures")
+    tr.section("tierattn figures")
     tr.write_line(f"device: {DEVICE} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')})")
-    tr.write_line(f"{'kernel':<10} {'cases':>6} {'random':>7} {'worst err ratio':>16} "
-                  f"{'masking exact':>14} {'bad inputs':>11}")
-    for k in kernels:
-        m = masks.get(k, [0, 0])
-        tr.write_line(f"{k:<10} {cases[k]:>6} {randoms[k]:>7} {worst[k]:>16.4f} "
-                      f"{f'{m[0]}/{m[1]}':>14} {bad[k]:>11}")
-    tot_m = [sum(m[0] for m in masks.values()), sum(m[1] for m in masks.values())]
-    tr.write_line(f"{'total':<10} {sum(cases.values()):>6} {sum(randoms.values()):>7} "
-                  f"{max(worst.values(), default=0.0):>16.4f} "
-                  f"{f'{tot_m[0]}/{tot_m[1]}':>14} {sum(bad.values()):>11}")
-    tr.write_line("(worst err ratio = max|out-ref| / (2*max|torch_lowp-ref| + floor); <= 1 passes)")
+    if kernels:
+        tr.write_line(f"{'kernel':<10} {'cases':>6} {'random':>7} {'worst err ratio':>16} "
+                      f"{'masking exact':>14} {'bad inputs':>11}")
+        for k in kernels:
+            m = masks.get(k, [0, 0])
+            tr.write_line(f"{k:<10} {cases[k]:>6} {randoms[k]:>7} {worst[k]:>16.4f} "
+                          f"{f'{m[0]}/{m[1]}':>14} {bad[k]:>11}")
+        tot_m = [sum(m[0] for m in masks.values()), sum(m[1] for m in masks.values())]
+        tr.write_line(f"{'total':<10} {sum(cases.values()):>6} {sum(randoms.values()):>7} "
+                      f"{max(worst.values(), default=0.0):>16.4f} "
+                      f"{f'{tot_m[0]}/{tot_m[1]}':>14} {sum(bad.values()):>11}")
+        tr.write_line("(worst err ratio = max|out-ref| / (2*max|torch_lowp-ref| + floor); "
+                      "<= 1 passes)")
     for name, n in sorted(counts.items()):
         tr.write_line(f"{name}: {n}")

@@ -593,13 +593,14 @@ for _name, _fragment in _EXPECT_MATCH.items():
 
 
 @pytest.mark.parametrize("case", CATALOGUE.values(), ids=CATALOGUE.keys())
-def test_corrupted_file_is_rejected(tmp_path, case):
+def test_corrupted_file_is_rejected(tmp_path, case, figures):
     path = case.make(tmp_path)
     with pytest.raises(KVFileError) as info:
         read_kv_file(path, _check, max_file_bytes=case.max_file_bytes)
     msg = str(info.value)
     assert str(path) in msg, msg
     assert case.match is None or case.match in msg, msg
+    figures.count("corrupted files rejected with KVFileError")
 
 
 def test_catalogue_size():
@@ -727,7 +728,7 @@ def _mutate(raw: bytes, rng: random.Random) -> tuple[bytes, str, bool]:
     return _edit_json(raw, rng)
 
 
-def test_fuzzed_files_are_rejected_or_read_exactly(tmp_path, monkeypatch, seed):
+def test_fuzzed_files_are_rejected_or_read_exactly(tmp_path, monkeypatch, seed, figures):
     path = tmp_path / "fuzz.safetensors"
     max_bytes = len(BASE_RAW) + 64
     real = kvfile._buffer
@@ -765,3 +766,5 @@ def test_fuzzed_files_are_rejected_or_read_exactly(tmp_path, monkeypatch, seed):
           f"{outcomes['rejected']} rejected, {outcomes['accepted']} read back exactly")
     assert not failures, f"{len(failures)} fuzz failures:\n" + "\n".join(failures[:20])
     assert outcomes["rejected"] > FUZZ_CASES * 0.8  # the mutations do reach the checks
+    figures.count("fuzzed KV files rejected", outcomes["rejected"])
+    figures.count("fuzzed KV files still valid and read back exactly", outcomes["accepted"])
