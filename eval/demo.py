@@ -16,10 +16,8 @@ Every number it prints is computed by the kernels in this run. The story in six 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -33,6 +31,7 @@ from tierattn.kernels import (
     sparse_decode,
     sparse_decode_reference,
 )
+from tierattn.eval.report import save_json
 from tierattn.kernels._common import resolve_backend
 
 __all__ = ["DemoRow", "run_demo", "main"]
@@ -210,9 +209,5 @@ def format_report(result: dict) -> str:
 def main(out: str | None = None, **kwargs) -> dict:
     result = run_demo(**kwargs)
     print(format_report(result))
-    if out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}")
+    save_json(result, out)
     return result

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from tierattn.cache import TieredKVCache
 from tierattn.config import TierConfig
+from tierattn.eval.report import save_json
 
 __all__ = ["format_stats", "run_loop"]
 
@@ -82,9 +82,5 @@ def format_stats(result: dict) -> str:
 def main(out: str | None = None, **kwargs) -> dict:
     result = run_loop(**kwargs)
     print(format_stats(result))
-    if out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}")
+    save_json(result, out)
     return result

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # shared helpers (runtime_utils.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # shared test helpers (helpers.py)
 
 if "TRITON_INTERPRET" not in os.environ:
     import torch

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import one_row
 
 from tierattn.kernels import (
     PageTable,
@@ -20,11 +21,6 @@ from tierattn.kernels.testing import check_rule
 I32 = torch.int32
 
 
-def _row(slots, last, device="cpu"):
-    n = len(slots)
-    return PageTable.from_csr(torch.tensor([0, n], dtype=I32, device=device),
-                              torch.tensor(slots, dtype=I32, device=device),
-                              torch.tensor([last if n else 0], dtype=I32, device=device))
 
 
 def test_decode_and_merge_write_strided_outputs(device):
@@ -67,12 +63,12 @@ def test_decode_reads_past_2_pow_31_elements(huge_pool, figures):
     last = huge_pool.shape[0] - 1
     assert huge_pool.numel() > 1 << 31 and last * huge_pool.stride(0) > 1 << 31
     q = torch.randn(1, 32, 128, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    table = _row([0, last], 9)
+    table = one_row([0, last], 9)
     res = sparse_decode(q, huge_pool, table, return_page_mass=True)
     small = huge_pool[[0, last]]
-    ref = sparse_decode_reference(q.double(), small.double(), _row([0, 1], 9),
+    ref = sparse_decode_reference(q.double(), small.double(), one_row([0, 1], 9),
                                   return_page_mass=True)
-    low = sparse_decode_reference(q, small, _row([0, 1], 9), compute_dtype=torch.bfloat16)
+    low = sparse_decode_reference(q, small, one_row([0, 1], 9), compute_dtype=torch.bfloat16)
     c = check_rule(res.out, ref.out, low.out, torch.bfloat16)
     figures.case("decode", c)
     assert c.ok, c
@@ -83,10 +79,10 @@ def test_prefill_reads_past_2_pow_31_elements(huge_pool, figures):
     last = huge_pool.shape[0] - 1
     q = torch.randn(5, 16, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     qo = torch.tensor([0, 5], dtype=I32)
-    res = paged_prefill(q, huge_pool, _row([0, last], 12), qo)
+    res = paged_prefill(q, huge_pool, one_row([0, last], 12), qo)
     small = huge_pool[[0, last]]
-    ref = paged_prefill_reference(q.double(), small.double(), _row([0, 1], 12), qo)
-    low = paged_prefill_reference(q, small, _row([0, 1], 12), qo, compute_dtype=torch.bfloat16)
+    ref = paged_prefill_reference(q.double(), small.double(), one_row([0, 1], 12), qo)
+    low = paged_prefill_reference(q, small, one_row([0, 1], 12), qo, compute_dtype=torch.bfloat16)
     c = check_rule(res.out, ref.out, low.out, torch.bfloat16)
     figures.case("prefill", c)
     assert c.ok, c
@@ -97,7 +93,7 @@ def test_prefill_mass_under_outside_lse_kernel_matches_reference(dt, device, fig
     gen = torch.Generator().manual_seed(4)
     pages = torch.randn(6, 2, 8, 2, 40, generator=gen).to(dt)
     q = torch.randn(7, 8, 40, generator=gen).to(dt)
-    table, qo = _row([5, 0, 2, 3], 6), torch.tensor([0, 7], dtype=I32)
+    table, qo = one_row([5, 0, 2, 3], 6), torch.tensor([0, 7], dtype=I32)
     kw = dict(sliding_window=11, softcap=15.0)
     lse = paged_prefill(q, pages, table, qo, **kw).lse + 0.3  # as if merged with other pages
     lse[2, 1] = float("-inf")  # an empty row contributes nothing, never NaN
@@ -117,7 +113,7 @@ def test_decode_widest_pages(page_size, device, figures):
     gen = torch.Generator().manual_seed(page_size)
     pool = torch.randn(4, 2, page_size, 2, 64, generator=gen).to(torch.bfloat16)
     q = torch.randn(1, 4, 64, generator=gen).to(torch.bfloat16)
-    table = _row([3, 0, 2], page_size - 7)
+    table = one_row([3, 0, 2], page_size - 7)
     res = sparse_decode(q.to(device), pool.to(device), table.to(device), num_splits=2,
                         return_page_mass=True)
     ref = sparse_decode_reference(q.double(), pool.double(), table, return_page_mass=True)

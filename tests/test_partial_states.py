@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import one_row
 
 from tierattn.kernels import (
-    PageTable,
     decode_page_mass,
     merge_states,
     paged_prefill,
@@ -22,11 +22,6 @@ from tierattn.kernels.testing import check_rule
 I32 = torch.int32
 
 
-def _row(slots, last, device):
-    n = len(slots)
-    return PageTable.from_csr(torch.tensor([0, n], dtype=I32, device=device),
-                              torch.tensor(slots, dtype=I32, device=device),
-                              torch.tensor([last if n else 0], dtype=I32, device=device))
 
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -42,18 +37,18 @@ def test_decode_hot_plus_staged_equals_dense(dt, cold, device, figures):
     hbm_slots = torch.randperm(10, generator=gen)[:len(hot)].tolist()
     hbm[hbm_slots] = pages[hot]
     stage = pages[cold].clone() if cold else torch.zeros(1, 2, p, hkv, d, dtype=dt)
-    a = sparse_decode(q, hbm.to(device), _row(hbm_slots, last, device), return_page_mass=True)
-    b = sparse_decode(q, stage.to(device), _row(list(range(len(cold))), p, device),
+    a = sparse_decode(q, hbm.to(device), one_row(hbm_slots, last, device), return_page_mass=True)
+    b = sparse_decode(q, stage.to(device), one_row(list(range(len(cold))), p, device),
                       return_page_mass=True)
     out, lse = merge_states(torch.stack([a.out, b.out]), torch.stack([a.lse, b.lse]))
-    full = _row(list(range(n_pages)), last, "cpu")
+    full = one_row(list(range(n_pages)), last, "cpu")
     ref = sparse_decode_reference(q.double().cpu(), pages.double(), full, return_page_mass=True)
     low = sparse_decode_reference(q.cpu(), pages, full, return_page_mass=True, compute_dtype=dt)
     c = check_rule(out, ref.out, low.out, dt)
     mass = torch.zeros(n_pages, hkv)
-    mass[hot] = decode_page_mass(a.page_lse, lse, _row(hbm_slots, last, device), hkv).cpu()
+    mass[hot] = decode_page_mass(a.page_lse, lse, one_row(hbm_slots, last, device), hkv).cpu()
     if cold:
-        mass[cold] = decode_page_mass(b.page_lse, lse, _row(list(range(len(cold))), p, device),
+        mass[cold] = decode_page_mass(b.page_lse, lse, one_row(list(range(len(cold))), p, device),
                                       hkv).cpu()
     cm = check_rule(mass, ref.page_mass, low.page_mass, dt)
     figures.case("decode", max(c, cm, key=lambda r: r.ratio))
@@ -77,8 +72,8 @@ def test_prefill_tail_plus_earlier_pages_equals_full(chunk, device, figures):
     staged = [i for i in range(first_chunk_page) if i not in early_hot]
     qo = torch.tensor([0, chunk], dtype=I32, device=device)
     hot = early_hot + tail
-    a_tab = _row(list(range(len(hot))), last, device)
-    b_tab = _row(list(range(len(staged))), p, device)
+    a_tab = one_row(list(range(len(hot))), last, device)
+    b_tab = one_row(list(range(len(staged))), p, device)
     hbm, stage = pages[hot].to(device), pages[staged].to(device) if staged else None
     a = paged_prefill(q.to(device), hbm, a_tab, qo, validate=False)
     parts = [a]
@@ -86,7 +81,7 @@ def test_prefill_tail_plus_earlier_pages_equals_full(chunk, device, figures):
         parts.append(paged_prefill(q.to(device), stage, b_tab, qo, causal=False, validate=False))
     out, lse = merge_states(torch.stack([x.out for x in parts]),
                             torch.stack([x.lse for x in parts]))
-    full = _row(list(range(n_pages)), last, "cpu")
+    full = one_row(list(range(n_pages)), last, "cpu")
     qo_cpu = qo.cpu()
     ref = paged_prefill_reference(q.double(), pages.double(), full, qo_cpu, return_page_mass=True)
     low = paged_prefill_reference(q, pages, full, qo_cpu, return_page_mass=True, compute_dtype=dt)
@@ -107,7 +102,7 @@ def test_paged_prefill_mass_torch_backend_agrees(device):
     gen = torch.Generator().manual_seed(3)
     pages = torch.randn(5, 2, 8, 2, 32, generator=gen)
     q = torch.randn(6, 4, 32, generator=gen)
-    tab, qo = _row([0, 1, 2, 3, 4], 3, "cpu"), torch.tensor([0, 6], dtype=I32)
+    tab, qo = one_row([0, 1, 2, 3, 4], 3, "cpu"), torch.tensor([0, 6], dtype=I32)
     res = paged_prefill(q, pages, tab, qo, return_page_mass=True, backend="torch")
     again = paged_prefill_mass(q, pages, tab, qo, res.lse, backend="torch")
     torch.testing.assert_close(again, res.page_mass, atol=1e-6, rtol=0)

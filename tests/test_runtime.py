@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from runtime_utils import Shadow, run_loop
+from helpers import Shadow, run_loop
 
 from tierattn.cache import TieredKVCache
 from tierattn.config import PRESETS, TierConfig, TierSpec

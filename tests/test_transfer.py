@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_utils import Shadow, run_loop
+from helpers import Shadow, run_loop
 
 from tierattn.cache import RING, TieredKVCache, ring_slot
 from tierattn.config import TierConfig, TierSpec

@@ -1,4 +1,5 @@
-"""Shared driver for runtime tests: a multi-layer decode loop over random KV with a shadow copy."""
+"""Shared test helpers: one-row page tables, and a multi-layer decode loop over random KV with a
+shadow copy for the runtime tests."""
 
 from __future__ import annotations
 
@@ -7,6 +8,15 @@ import math
 import torch
 
 from tierattn.cache import TieredKVCache
+from tierattn.kernels import PageTable
+
+
+def one_row(slots: list[int], last: int, device: str | torch.device = "cpu") -> PageTable:
+    """A page table with one row over ``slots``; its last page holds ``last`` tokens."""
+    n = len(slots)
+    return PageTable.from_csr(torch.tensor([0, n], dtype=torch.int32, device=device),
+                              torch.tensor(slots, dtype=torch.int32, device=device),
+                              torch.tensor([last if n else 0], dtype=torch.int32, device=device))
 
 
 class Shadow:
