@@ -108,3 +108,27 @@ def test_prefetch_targets_the_buffer_the_next_layer_reads(seed):
     layers = cache.stats()["layers"]
     assert all(x["late_misses"] == 0 for x in layers)
     assert all(x["prefetch_hits"] > 0 for x in layers)
+
+
+@pytest.mark.parametrize("staging_pages", [1, 3, 7])
+def test_cold_set_larger_than_staging_streams_in_batches_exactly(staging_pages, seed):
+    """Cold pages that do not fit the staging buffer are attended in batches through it (each
+    batch a partial state merged by LSE); the fake engine proves no batch overwrites a buffer
+    before the kernel that read it is fenced, and the page mass under the merged LSE still
+    sums to the number of query heads."""
+    engine = FakeAsyncEngine(reorder=True, seed=seed, backend="torch")
+    cfg = TierConfig(page_size=4, hot_budget=0.25, attend="all", tiers=TIERS, max_context=128,
+                     prefill_chunk_size=32, backend="torch")
+    cache = TieredKVCache(cfg, num_layers=L, num_kv_heads=HKV, head_dim=D, batch_size=2,
+                          device="cpu", engine=engine, poison_freed=True,
+                          staging_pages=staging_pages)
+    shadow = Shadow(L, 2, HKV, D, torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    before = cache.layers[0].mass.sum().item()
+    run_loop(cache, shadow, prompt=48, steps=8, hq=HQ, gen=gen, chunk=16,
+             check=dense_check(shadow))
+    assert cache.staging_pages == staging_pages
+    # every query head distributes a probability mass of 1 over the pages it attends
+    tokens = 48 + 8
+    total_mass = cache.layers[0].mass.sum().item() - before
+    assert total_mass == pytest.approx(2 * HQ * tokens, rel=1e-4)

@@ -170,6 +170,7 @@ class TieredKVCache:
         self.telemetry = Telemetry(num_layers)
         self._calls = 0  # attend calls so far: picks the staging buffer
         self._decoding = False  # the current attend is a decode step (telemetry)
+        self._fence = None  # compute work a copy into a reused staging buffer must wait for
         self._rng = torch.Generator().manual_seed(config.seed)
         self._rank_noise = torch.rand(b, mp, generator=self._rng)  # the random policy's order
 
@@ -374,13 +375,29 @@ class TieredKVCache:
                                     torch.stack([x.lse for x in parts]), backend=self.backend)
             tel.kernel_launches += 1
 
-        tables = [(hot_table, hot_pages, self.hbm.pool(layer))] + [
-            (table, run.pages, self.staging[run.buffer]) for run, table in staged_runs]
-        if want_mass:
-            self._accumulate_mass(layer, parts, tables, lse, qf if not decode else None,
-                                  qo if not decode else None, scale, softcap)
-        if not decode and cfg.evict_budget != 0 and cfg.evict_policy == "snapkv":
-            self._snap_window(layer, qd, tables, lse, scale, softcap)
+        want_snap = not decode and cfg.evict_budget != 0 and cfg.evict_policy == "snapkv"
+        if decode and want_mass:
+            for part, (run, table) in zip(parts, [(None, hot_table)] + staged_runs):
+                pages = hot_pages if run is None else run.pages
+                mass = decode_page_mass(part.page_lse, lse, table, self.num_kv_heads,
+                                        backend=self.backend)
+                self._add_importance(pages, mass.sum(-1), st.mass)
+        elif not decode and (want_mass or want_snap):
+            snap = torch.zeros(b, self.max_pages) if want_snap else None
+            imp = dict(qd=qd, lse=lse, scale=scale, softcap=softcap, mass=want_mass, snap=snap)
+            self._prefill_importance(layer, hot_table, hot_pages, self.hbm.pool(layer), True,
+                                     **imp)
+            if len(staged_runs) == 1:
+                run, table = staged_runs[0]
+                self._prefill_importance(layer, table, run.pages, self.staging[run.buffer],
+                                         False, **imp)
+            elif staged_runs:  # batches reused the buffer: stream the cold pages once more
+                for run in self._fetch(layer, need, buffer):
+                    self._prefill_importance(layer, self._staged_table(run), run.pages,
+                                             self.staging[run.buffer], False, **imp)
+                    self._fence = self.engine.fence()
+            if want_snap:
+                st.snap = snap
         if decode:
             st.last_q = q1
             tel.decode_steps += 1
@@ -479,12 +496,12 @@ class TieredKVCache:
         while todo:
             if not free:  # buffer full: attend what is staged, then reuse the buffer
                 yield run
-                self.engine.wait(None)
                 run = _Staged(run.buffer, [[] for _ in need], [[] for _ in need])
                 free = list(range(self.staging_pages))
             batch, todo = todo[:len(free)], todo[len(free):]
             slots, free = free[:len(batch)], free[len(batch):]
-            self._copy_in(layer, batch, run.buffer, slots, after=getattr(self, "_fence", None))
+            # after the fence of the kernel that read this buffer's previous batch
+            self._copy_in(layer, batch, run.buffer, slots, after=self._fence)
             for (bi, pg), sl in zip(batch, slots):
                 run.pages[bi].append(pg)
                 run.slots[bi].append(sl)
@@ -572,45 +589,44 @@ class TieredKVCache:
 
     # --- importance and policy ---------------------------------------------------------------
 
-    def _accumulate_mass(self, layer, parts, tables, lse, qf, qo, scale, softcap) -> None:
-        """Add each page's share of this step's attention (under the merged LSE) to its
-        importance."""
-        st = self.layers[layer]
-        hkv = self.num_kv_heads
-        for part, (table, pages, pool) in zip(parts, tables):
-            if not any(pages):
-                continue
-            if qf is None:
-                mass = decode_page_mass(part.page_lse, lse, table, hkv, backend=self.backend)
-            else:
-                mass = paged_prefill_mass(qf, pool, table, qo, lse, sm_scale=scale,
-                                          causal=pool is self.hbm.pool(layer), softcap=softcap,
-                                          validate=False, backend=self.backend)
-            self.telemetry.layers[layer].kernel_launches += 1
-            mass = mass.sum(-1).cpu()
-            rows = torch.cat([torch.full((len(x),), bi) for bi, x in enumerate(pages)])
-            cols = torch.tensor([pg for x in pages for pg in x], dtype=torch.long)
-            st.mass.index_put_((rows.long(), cols), mass, accumulate=True)
+    @staticmethod
+    def _add_importance(layer_pages: list[list[int]], values: torch.Tensor,
+                        into: torch.Tensor, accumulate: bool = True) -> None:
+        """Scatter per-entry ``values`` (aligned with the table built from ``layer_pages``:
+        sequence by sequence, page by page) into ``into [B, max_pages]``."""
+        if not any(layer_pages):
+            return
+        rows = torch.cat([torch.full((len(x),), bi, dtype=torch.long)
+                          for bi, x in enumerate(layer_pages)])
+        cols = torch.tensor([pg for x in layer_pages for pg in x], dtype=torch.long)
+        into.index_put_((rows, cols), values.float().cpu()[:len(cols)], accumulate=accumulate)
 
-    def _snap_window(self, layer, qd, tables, lse, scale, softcap) -> None:
-        """SnapKV's observation window: attention mass of the chunk's last queries."""
-        st, cfg = self.layers[layer], self.config
+    def _prefill_importance(self, layer: int, table: PageTable, pages: list[list[int]],
+                            pool: torch.Tensor, causal: bool, *, qd: torch.Tensor,
+                            lse: torch.Tensor, scale: float, softcap: float | None, mass: bool,
+                            snap: torch.Tensor | None) -> None:
+        """Importance from a prompt chunk over one page set, under the merged LSE: the
+        chunk's attention mass (H2O) and SnapKV's observation-window mass."""
+        if not any(pages):
+            return
         b, hq, t, d = qd.shape
-        w = min(cfg.snapkv_window, t)
-        qw = qd[:, :, t - w:].permute(0, 2, 1, 3).reshape(b * w, hq, d)
-        lw = lse.view(b, t, hq)[:, t - w:].reshape(b * w, hq)
-        qo = torch.arange(b + 1, dtype=torch.int32, device=self.device) * w
-        snap = torch.zeros(b, self.max_pages)
-        for table, pages, pool in tables:
-            if not any(pages):
-                continue
-            mass = paged_prefill_mass(qw, pool, table, qo, lw.contiguous(), sm_scale=scale,
-                                      causal=pool is self.hbm.pool(layer), softcap=softcap,
-                                      validate=False, backend=self.backend).sum(-1).cpu()
-            rows = torch.cat([torch.full((len(x),), bi) for bi, x in enumerate(pages)])
-            cols = torch.tensor([pg for x in pages for pg in x], dtype=torch.long)
-            snap[rows.long(), cols] = mass
-        st.snap = snap
+        kw = dict(sm_scale=scale, causal=causal, softcap=softcap, validate=False,
+                  backend=self.backend)
+        tel = self.telemetry.layers[layer]
+        if mass:
+            qf = qd.permute(0, 2, 1, 3).reshape(b * t, hq, d)
+            qo = torch.arange(b + 1, dtype=torch.int32, device=self.device) * t
+            m = paged_prefill_mass(qf, pool, table, qo, lse, **kw)
+            self._add_importance(pages, m.sum(-1), self.layers[layer].mass)
+            tel.kernel_launches += 1
+        if snap is not None:
+            w = min(self.config.snapkv_window, t)
+            qw = qd[:, :, t - w:].permute(0, 2, 1, 3).reshape(b * w, hq, d)
+            lw = lse.view(b, t, hq)[:, t - w:].reshape(b * w, hq).contiguous()
+            qo = torch.arange(b + 1, dtype=torch.int32, device=self.device) * w
+            m = paged_prefill_mass(qw, pool, table, qo, lw, **kw)
+            self._add_importance(pages, m.sum(-1), snap, accumulate=False)
+            tel.kernel_launches += 1
 
     def _rank(self, layer: int, n_pages: int) -> torch.Tensor:
         """``[B, n_pages]`` importance for demotion (higher stays hot)."""
