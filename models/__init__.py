@@ -1,4 +1,23 @@
-"""Hugging Face integration (attention function, mask function, Cache subclass, patch/unpatch).
+"""Hugging Face integration: ``patch``/``PatchHandle``, the registered attention function, and
+``TieredCache`` (a transformers ``Cache``). Imported on first use: ``import tierattn.models``
+does not import transformers."""
 
-Empty until the HF integration issue lands; importing it has no side effects.
-"""
+from __future__ import annotations
+
+_LAZY = {
+    "patch": "tierattn.models.patch",
+    "PatchHandle": "tierattn.models.patch",
+    "SUPPORTED_MODEL_TYPES": "tierattn.models.patch",
+    "tiered_attention": "tierattn.models.patch",
+    "TieredCache": "tierattn.models.cache",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tierattn.models' has no attribute {name!r}")

@@ -26,6 +26,9 @@ _LAZY = {
     "FakeAsyncEngine": "tierattn.transfer",
     "CPUTransferEngine": "tierattn.transfer",
     "CUDATransferEngine": "tierattn.transfer",
+    "patch": "tierattn.models.patch",
+    "PatchHandle": "tierattn.models.patch",
+    "TieredCache": "tierattn.models.cache",
 }
 
 
@@ -46,9 +49,12 @@ __all__ = [
     "KernelUnsupportedError",
     "TierAttnError",
     "PRESETS",
+    "PatchHandle",
     "TierConfig",
     "TierConfigError",
     "TierSpec",
+    "TieredCache",
     "TieredKVCache",
     "__version__",
+    "patch",
 ]

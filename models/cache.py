@@ -1,0 +1,113 @@
+"""TieredCache: a transformers ``Cache`` whose layers live in a :class:`TieredKVCache`.
+
+``update`` appends the new tokens to the runtime and hands the cache to the attention function
+through the attention kwargs (the dict every attention module passes to both calls), which then
+attends over the runtime's hot and fetched pages. ``update`` returns the new tokens' K/V unchanged:
+no model served here reads them back (KV-sharing models are refused by :mod:`.patch`).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from tierattn.cache import TieredKVCache
+from tierattn.config import TierConfig
+
+__all__ = ["CACHE_KWARG", "TieredCache"]
+
+#: key of the attention kwargs under which the cache reaches the attention function
+CACHE_KWARG = "tierattn_cache"
+
+
+class _TieredLayer(CacheLayerMixin):
+    """One attention layer's view of the shared runtime."""
+
+    is_sliding = False
+
+    def __init__(self, owner: TieredCache, layer_idx: int) -> None:
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.owner._start(key_states)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.owner.runtime.update(self.layer_idx, key_states, value_states)
+        attn_kwargs = kwargs.get("kwargs")
+        if isinstance(attn_kwargs, dict):
+            attn_kwargs[CACHE_KWARG] = self.owner
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        rt = self.owner.runtime
+        return rt.length(self.layer_idx) if rt is not None else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.owner.runtime = None
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(
+            "tierattn: beam search is not supported by the tiered cache yet; use greedy or "
+            "sampling (num_beams=1).")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError(
+            "tierattn: cropping the tiered cache (assisted or contrastive decoding) is not "
+            "supported; use greedy or sampling decoding.")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise NotImplementedError(
+                "tierattn: num_return_sequences > 1 is not supported by the tiered cache yet.")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("tierattn: selecting batch rows of the tiered cache is not "
+                                  "supported.")
+
+
+class TieredCache(Cache):
+    """A ``Cache`` for ``generate(cache=...)`` backed by a :class:`TieredKVCache`.
+
+    Args:
+        model_config: the model's ``PretrainedConfig`` (geometry: layers, KV heads, head dim).
+        config: the :class:`~tierattn.config.TierConfig`.
+
+    The runtime is built on the first ``update``, when the batch size, dtype and device are
+    known. ``stats()`` returns its telemetry.
+    """
+
+    def __init__(self, model_config, config: TierConfig | None = None) -> None:
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") \
+            else model_config
+        self.model_config = text
+        self.tier_config = config or TierConfig.preset("offload")
+        self.num_layers = text.num_hidden_layers
+        self.num_kv_heads = getattr(text, "num_key_value_heads", None) or \
+            text.num_attention_heads
+        self.head_dim = getattr(text, "head_dim", None) or \
+            text.hidden_size // text.num_attention_heads
+        self.runtime: TieredKVCache | None = None
+        super().__init__(layers=[_TieredLayer(self, i) for i in range(self.num_layers)])
+
+    def _start(self, key_states: torch.Tensor) -> None:
+        if self.runtime is None:
+            self.runtime = TieredKVCache(
+                self.tier_config, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, batch_size=key_states.shape[0],
+                dtype=key_states.dtype, device=key_states.device,
+                fingerprint=f"{self.model_config.model_type}")
+
+    def stats(self) -> dict:
+        """The runtime's telemetry (empty before the first forward)."""
+        return self.runtime.stats() if self.runtime is not None else {}

@@ -1,0 +1,181 @@
+"""``tierattn.patch(model, config)``: serve a Hugging Face model's attention from the tiered cache.
+
+The route uses only public registries of transformers 5.x: an attention function registered
+with ``AttentionInterface`` and a mask function with ``AttentionMaskInterface`` (without it every
+model silently receives ``attention_mask=None``), both under the name ``"tierattn"``, plus the
+:class:`~tierattn.models.cache.TieredCache` that reaches the attention function through the
+attention kwargs. ``patch`` switches the model's attention implementation to ``"tierattn"`` and
+gives ``generate`` a tiered cache when the caller passes none; the returned handle undoes both.
+Nothing happens at import time.
+
+Supported here (this is the first slice of the HF integration): decoder-only models whose
+attention layers are plain full attention (no KV sharing, no linear-attention or chunked
+layers), sliding windows only when the window covers ``max_context``, logit softcap (Gemma 2),
+batches without padding, greedy and sampling. Everything else raises a clear error rather than
+produce different output.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+from tierattn.config import TierConfig
+from tierattn.models.cache import CACHE_KWARG, TieredCache
+
+__all__ = ["ATTN_NAME", "PatchHandle", "SUPPORTED_MODEL_TYPES", "patch", "tiered_attention"]
+
+ATTN_NAME = "tierattn"
+
+#: model families served by this route: a spec each (data, not code); ``softcap`` names the
+#: config attribute of the attention logit softcap when the family has one.
+SUPPORTED_MODEL_TYPES: dict[str, dict] = {
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {}, "phi3": {},
+    "gemma": {}, "gemma2": {"softcap": "attn_logit_softcapping"}, "olmo2": {},
+}
+
+
+def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None,
+                     dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """The registered attention function.
+
+    Args:
+        query: ``[B, H_q, T, D]`` post-RoPE; ``key``/``value`` were already appended to the cache.
+        attention_mask: ``None`` or the ``[B, kv_len]`` padding mask (``flash_attention_mask``).
+
+    Returns:
+        ``([B, T, H_q, D], None)``.
+    """
+    cache = kwargs.get(CACHE_KWARG)
+    if not isinstance(cache, TieredCache) or cache.runtime is None:
+        raise RuntimeError(
+            "tierattn: the patched model ran attention without its TieredCache (plain forward "
+            "without a cache?). Call generate(), or pass cache=TieredCache(model.config, config).")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise NotImplementedError(
+            "tierattn: padded batches are not supported by this version of the tiered path; "
+            "run the sequences one at a time or with equal lengths.")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("tierattn: attention sinks (s_aux) are not supported yet.")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < cache.runtime.length(module.layer_idx):
+        raise NotImplementedError(
+            f"tierattn: a sliding window of {window} tokens became active (context "
+            f"{cache.runtime.length(module.layer_idx)}); sliding-window layers are not supported "
+            "by the tiered path yet.")
+    if dropout:
+        raise NotImplementedError("tierattn: attention dropout is not supported (inference only).")
+    out = cache.runtime.attend(module.layer_idx, query, sm_scale=scaling,
+                               softcap=kwargs.get("softcap"))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    """Register the attention and mask functions (idempotent; registering is side-effect free
+    for models that do not select ``"tierattn"``)."""
+    AttentionInterface.register(ATTN_NAME, tiered_attention)
+    AttentionMaskInterface.register(ATTN_NAME, flash_attention_mask)
+
+
+def _check_supported(model, config: TierConfig) -> None:
+    text = model.config.get_text_config()
+    kind = text.model_type
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"tierattn.patch: model_type {kind!r} is not supported yet; supported: "
+            f"{sorted(SUPPORTED_MODEL_TYPES)}.")
+    if getattr(text, "num_kv_shared_layers", 0):
+        raise NotImplementedError("tierattn.patch: KV-sharing layers are not supported.")
+    layer_types = getattr(text, "layer_types", None) or []
+    odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if odd:
+        raise NotImplementedError(f"tierattn.patch: layer types {odd} are not supported.")
+    window = getattr(text, "sliding_window", None)
+    sliding = "sliding_attention" in layer_types or (window is not None and not layer_types)
+    if sliding and window is not None and window < config.max_context:
+        raise NotImplementedError(
+            f"tierattn.patch: sliding_window={window} < max_context={config.max_context}: "
+            "sliding-window layers are not supported yet; lower max_context to the window.")
+
+
+class PatchHandle:
+    """Undo handle of :func:`patch`; also a context manager (``with tierattn.patch(...)``)."""
+
+    def __init__(self, model, config: TierConfig) -> None:
+        self.model, self.config = model, config
+        self._attn = model.config._attn_implementation
+        self._had_generate = "generate" in vars(model)
+        self.cache: TieredCache | None = None
+        self.active = False
+
+    def _apply(self) -> None:
+        _register()
+        self.model.set_attn_implementation(ATTN_NAME)
+        original = self.model.generate
+
+        @functools.wraps(original)
+        def generate(*args, **kwargs):
+            if kwargs.get("num_beams", 1) != 1:
+                raise NotImplementedError("tierattn: beam search is not supported yet.")
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if cache is None:
+                cache = kwargs["cache"] = TieredCache(self.model.config, self.config)
+            self.cache = cache if isinstance(cache, TieredCache) else None
+            out = original(*args, **kwargs)
+            self._guard()
+            return out
+
+        self.model.generate = generate
+        self.model._tierattn_handle = self
+        self.active = True
+
+    def _guard(self) -> None:
+        stats = self.stats()
+        if not stats or not stats["total"]["attend_calls"]:
+            raise RuntimeError(
+                "tierattn: generate() finished but the tiered attention never ran (a broken "
+                "attention registration would silently fall back to another implementation).")
+
+    def stats(self) -> dict:
+        """Telemetry of the last tiered cache ``generate`` used ({} before the first call)."""
+        return self.cache.stats() if self.cache is not None else {}
+
+    def unpatch(self) -> None:
+        """Restore the model exactly (attention implementation, ``generate``)."""
+        if not self.active:
+            return
+        self.model.set_attn_implementation(self._attn)
+        if not self._had_generate:
+            del self.model.generate
+        del self.model._tierattn_handle
+        self.active = False
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.unpatch()
+
+
+def patch(model, config: TierConfig | None = None) -> PatchHandle:
+    """Serve ``model``'s attention from a tiered KV cache; returns the undo handle.
+
+    Patching an already patched model returns its handle (idempotent); pass a different
+    ``config`` by unpatching first.
+    """
+    config = config or TierConfig.preset("offload")
+    existing = getattr(model, "_tierattn_handle", None)
+    if existing is not None and existing.active:
+        if existing.config != config:
+            raise ValueError("tierattn.patch: the model is already patched with another "
+                             "config; call handle.unpatch() first.")
+        return existing
+    _check_supported(model, config)
+    handle = PatchHandle(model, copy.deepcopy(config))
+    handle._apply()
+    return handle

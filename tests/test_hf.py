@@ -1,0 +1,164 @@
+"""Hugging Face integration (first slice): exact-mode generation equals the reference attention
+on every supported family, patch/unpatch/idempotence, the explicit-cache routes, the
+silent-fallback guard, and clear refusals for what the tiered path does not serve yet."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+import tierattn  # noqa: E402
+from tierattn.models import SUPPORTED_MODEL_TYPES, TieredCache  # noqa: E402
+from tierattn.models.cache import CACHE_KWARG  # noqa: E402
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=256, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+EXTRA = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+         "gemma2": dict(query_pre_attn_scalar=16, attn_logit_softcapping=5.0)}
+#: families whose reference implementation is eager (they have no SDPA path)
+EAGER = {"gemma2"}
+
+
+def tiny(model_type: str, **overrides):
+    cfg = AutoConfig.for_model(model_type, **{**COMMON, **EXTRA.get(model_type, {}),
+                                              **overrides})
+    torch.manual_seed(0)
+    attn = "eager" if model_type in EAGER else "sdpa"
+    return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn).eval()
+
+
+def exact_config(**kw) -> tierattn.TierConfig:
+    # an 8-token hot budget on 4-token pages: a page leaves HBM every 4 generated tokens
+    return tierattn.TierConfig(**{**dict(page_size=4, hot_budget=8, max_context=128,
+                                         backend="torch"), **kw})
+
+
+def generate(model, ids, **kw):
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                              output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0, **kw)
+
+
+@pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_exact_mode_generation_equals_reference(model_type, batch, figures):
+    model = tiny(model_type)
+    ids = torch.randint(3, 128, (batch, 29), generator=torch.Generator().manual_seed(batch))
+    ref = generate(model, ids)
+    with tierattn.patch(model, exact_config()) as handle:
+        out = generate(model, ids)
+        stats = handle.stats()["total"]
+    diff = max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits))
+    same = torch.equal(out.sequences, ref.sequences)
+    print(f"{model_type} batch {batch}: greedy identical {same}, max |logit diff| {diff:.2e}, "
+          f"demoted pages {stats['demoted_pages']}")
+    assert torch.equal(out.sequences, ref.sequences)
+    assert diff < 1e-4  # fp32 end to end: kernel rounding only
+    assert stats["demoted_pages"] > 0 and stats["h2d_bytes_total"] > 0
+    assert stats["evicted_tokens"] == 0
+    figures.count(f"HF architectures token-identical in exact mode (batch {batch})")
+
+
+def test_triton_backend_under_interpreter_end_to_end():
+    model = tiny("llama")
+    ids = torch.randint(3, 128, (1, 21), generator=torch.Generator().manual_seed(5))
+    ref = generate(model, ids)
+    with tierattn.patch(model, exact_config(backend="triton")):
+        out = generate(model, ids)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits)) < 1e-4
+
+
+def test_patch_is_reversible_idempotent_and_a_context_manager():
+    model = tiny("llama")
+    before = (model.config._attn_implementation, "generate" in vars(model))
+    cfg = exact_config()
+    handle = tierattn.patch(model, cfg)
+    assert tierattn.patch(model, cfg) is handle  # twice: the same handle
+    assert model.config._attn_implementation == "tierattn"
+    with pytest.raises(ValueError, match="already patched"):
+        tierattn.patch(model, exact_config(hot_budget=12))
+    handle.unpatch()
+    handle.unpatch()  # a second unpatch is harmless
+    assert (model.config._attn_implementation, "generate" in vars(model)) == before
+    with tierattn.patch(model, cfg):
+        assert model.config._attn_implementation == "tierattn"
+    assert model.config._attn_implementation == before[0]
+
+
+@pytest.mark.parametrize("kwarg", ["cache", "past_key_values"])
+def test_explicit_tiered_cache(kwarg):
+    model = tiny("qwen2")
+    ids = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(2))
+    ref = generate(model, ids)
+    cache = TieredCache(model.config, exact_config())
+    with tierattn.patch(model, exact_config()) as handle:
+        out = generate(model, ids, **{kwarg: cache})
+        assert handle.cache is cache
+    assert torch.equal(out.sequences, ref.sequences)
+    assert cache.stats()["total"]["attend_calls"] > 0
+
+
+@pytest.mark.parametrize("preset", ["topk", "evict-h2o", "evict-streaming", "evict-snapkv"])
+def test_approximate_presets_run_and_report(preset):
+    model = tiny("llama")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    cfg = tierattn.TierConfig.preset(preset, page_size=4, max_context=128, backend="torch")
+    with tierattn.patch(model, cfg) as handle:
+        out = generate(model, ids)
+        total = handle.stats()["total"]
+    assert out.sequences.shape == (1, 40 + 24)
+    if preset == "topk":
+        assert total["evicted_tokens"] == 0 and total["h2d_bytes_total"] > 0
+    else:
+        assert total["evicted_tokens"] > 0 and total["h2d_bytes_total"] == 0
+
+
+def test_guard_catches_a_silent_fallback(monkeypatch):
+    """If the registration were broken and the model ran another attention, generate() fails
+    instead of returning output the tiered path never produced."""
+    from transformers import AttentionInterface
+
+    model = tiny("llama")
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(4))
+    with tierattn.patch(model, exact_config()):
+        monkeypatch.setitem(AttentionInterface._global_mapping, "tierattn",
+                            AttentionInterface._global_mapping["sdpa"])
+        with pytest.raises(RuntimeError, match="never ran"):
+            generate(model, ids)
+
+
+def test_plain_forward_without_the_cache_is_refused():
+    model = tiny("llama")
+    with tierattn.patch(model, exact_config()), pytest.raises(RuntimeError, match="TieredCache"):
+        model(torch.randint(3, 128, (1, 5)), use_cache=False)
+
+
+def test_unsupported_requests_are_refused_clearly():
+    model = tiny("llama")
+    padded = torch.randint(3, 128, (2, 9))
+    mask = torch.ones_like(padded)
+    mask[0, :3] = 0
+    with tierattn.patch(model, exact_config()):
+        with pytest.raises(NotImplementedError, match="padded"):
+            generate(model, padded, attention_mask=mask)
+        with pytest.raises(NotImplementedError, match="beam"):
+            generate(model, padded[:1], num_beams=2)
+    with pytest.raises(NotImplementedError, match="model_type 'gpt2'"):
+        tierattn.patch(AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64)), exact_config())
+    with pytest.raises(NotImplementedError, match="sliding_window=16"):
+        tierattn.patch(tiny("mistral", sliding_window=16), exact_config())
+
+
+def test_cache_kwarg_name_is_not_a_special_path_name():
+    # names containing flash, sdpa or flex_attention trigger special paths in transformers
+    assert not any(word in CACHE_KWARG or word in "tierattn"
+                   for word in ("flash", "sdpa", "flex_attention"))
