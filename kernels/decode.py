@@ -50,7 +50,7 @@ MAX_AUTO_SPLITS = 16
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, indices_ptr, row_start_ptr, row_count_ptr, last_len_ptr,
+    q_ptr, kv_ptr, indices_ptr, row_start_ptr, row_count_ptr, last_len_ptr, first_lane_ptr,
     part_o_ptr, part_lse_ptr, page_lse_ptr,
     num_slots, page_size, group, head_dim, num_kv_heads, sm_scale,
     stride_qb, stride_qh,
@@ -59,6 +59,7 @@ def _decode_split_kernel(
     stride_pl_s, stride_pl_b,
     stride_pg_e,
     HEAD_ROWS: tl.constexpr, RETURN_MASS: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_FIRST_LANE: tl.constexpr,
     P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -99,6 +100,9 @@ def _decode_split_kernel(
         # an out-of-range page id reads nothing (the launcher's validate=True reports it)
         m_e = m_e & (b_slot >= 0) & (b_slot < num_slots)
         m_n = m_e & (o_lane < page_size) & ((o_e != row_count - 1) | (o_lane < last_len))
+        if HAS_FIRST_LANE:  # tokens before an entry's first lane are padding
+            b_first = tl.load(first_lane_ptr + row_start + o_e, mask=m_e, other=0)
+            m_n = m_n & (o_lane >= b_first)
         o_kv = b_slot * stride_kv_slot + o_lane * stride_kv_tok + i_h * stride_kv_head  # [BN]
         p_k = kv_ptr + o_kv[:, None] + o_d[None, :]
         m_kv = m_n[:, None] & m_d[None, :]
@@ -227,6 +231,7 @@ def sparse_decode_reference(
     softcap: float | None = None,
     return_page_mass: bool = False,
     compute_dtype: torch.dtype | None = None,
+    first_lane: torch.Tensor | None = None,
 ) -> DecodeOutput:
     """Plain-torch :func:`sparse_decode`, one row at a time: gather, softmax, weighted sum.
 
@@ -256,14 +261,20 @@ def sparse_decode_reference(
         n_tok = (count - 1) * page_size + last
         keys = kv_pool[slots, 0].to(dt).reshape(count * page_size, hkv, d)[:n_tok]
         values = kv_pool[slots, 1].to(dt).reshape(count * page_size, hkv, d)[:n_tok]
+        valid = torch.ones(n_tok, dtype=torch.bool, device=q.device)
+        if first_lane is not None:  # left padding: lanes before first_lane[e] are masked
+            lane = torch.arange(count * page_size, device=q.device) % page_size
+            first = first_lane[start:start + count].long().repeat_interleave(page_size)
+            valid = (lane >= first)[:n_tok]
         for h in heads:
             qh = slice(h * group, (h + 1) * group)
             s = (q[b, qh].to(dt) @ keys[:, h].T) * scale  # [G, n_tok]
             if cap:
                 s = cap * torch.tanh(s / cap)
+            s = s.masked_fill(~valid, float("-inf"))
             row_lse = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - row_lse[:, None])
-            out[b, qh] = p @ values[:, h]
+            p = torch.exp(s - torch.where(torch.isinf(row_lse), 0, row_lse)[:, None])
+            out[b, qh] = p @ torch.where(valid[:, None], values[:, h], 0)
             lse[b, qh] = row_lse
             per_page = torch.nn.functional.pad(p, (0, count * page_size - n_tok))
             page_mass = per_page.reshape(group, count, page_size).sum(dim=(0, 2))
@@ -294,6 +305,7 @@ def sparse_decode(
     lse: torch.Tensor | None = None,
     validate: bool = True,
     block_n: int | None = None,
+    first_lane: torch.Tensor | None = None,
     backend: Backend | None = None,
 ) -> DecodeOutput:
     """Decode attention of one query token per sequence over a page list drawn from a pool.
@@ -313,6 +325,8 @@ def sparse_decode(
             which builds its own tables, passes False. Kernels mask out-of-range ids either way.
         block_n: tokens per tile (power of two; raised to the padded page size if smaller;
             default 64, or 32 for head dims above 128).
+        first_lane: optional ``[nnz]`` int32: the tokens of entry ``e`` before lane
+            ``first_lane[e]`` are masked (left padding); 0 masks nothing.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
 
     Returns:
@@ -338,10 +352,14 @@ def sparse_decode(
     if validate:
         page_table.validate(kv_pool.shape[0], page_size)
     nnz = page_table.indices.numel()
+    if first_lane is not None:
+        check_tensor("first_lane", first_lane, shape=(nnz,), dtypes=(torch.int32,),
+                     device=q.device)
 
     if resolve_backend(backend, q, kv_pool) == "torch":
         ref = sparse_decode_reference(q, kv_pool, page_table, sm_scale=scale, softcap=cap,
-                                      return_page_mass=return_page_mass)
+                                      return_page_mass=return_page_mass,
+                                      first_lane=first_lane)
         out.copy_(ref.out)
         lse.copy_(ref.lse)
         if not return_page_mass:
@@ -370,6 +388,7 @@ def sparse_decode(
         _decode_split_kernel[(batch, hkv, splits)](
             q, kv_pool, page_table.indices, page_table.row_start, page_table.row_count,
             page_table.last_page_len,
+            first_lane.contiguous() if first_lane is not None else page_table.indices,
             part_o, part_lse, page_lse,
             kv_pool.shape[0], page_size, group, d, hkv, scale,
             q.stride(0), q.stride(1),
@@ -378,6 +397,7 @@ def sparse_decode(
             part_lse.stride(0), part_lse.stride(1),
             page_lse.stride(0),
             HEAD_ROWS=head_rows, RETURN_MASS=return_page_mass, SOFTCAP=cap,
+            HAS_FIRST_LANE=first_lane is not None,
             P_PAD=p_pad, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
             DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
         )

@@ -41,12 +41,13 @@ __all__ = ["PrefillOutput", "paged_prefill", "paged_prefill_mass", "paged_prefil
 @triton.jit(do_not_specialize=["num_slots", "window"])
 def _prefill_fwd_kernel(
     q_ptr, kv_ptr, items_ptr, qo_indptr_ptr, indices_ptr, row_start_ptr, row_count_ptr,
-    last_len_ptr, out_ptr, lse_ptr,
+    last_len_ptr, first_lane_ptr, out_ptr, lse_ptr,
     num_slots, page_size, group, head_dim, sm_scale, window,
     stride_qt, stride_qh,
     stride_kv_slot, stride_kv_kv, stride_kv_tok, stride_kv_head,
     stride_ot, stride_oh, stride_lt, stride_lh,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_FIRST_LANE: tl.constexpr,
     P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -97,6 +98,9 @@ def _prefill_fwd_kernel(
         o_e = e0 + o_page  # [BLOCK_N] entry (within the row) of each lane
         o_j = o_e * page_size + o_lane  # [BLOCK_N] absolute key positions
         m_n = (o_lane < page_size) & (o_j < kv_len)
+        if HAS_FIRST_LANE:  # tokens before an entry's first lane are padding
+            b_first = tl.load(first_lane_ptr + row_start + o_e, mask=m_n, other=0)
+            m_n = m_n & (o_lane >= b_first)
         b_slot = tl.load(indices_ptr + row_start + o_e, mask=m_n, other=0).to(tl.int64)
         # an out-of-range page id reads nothing (the launcher's validate=True reports it)
         m_n = m_n & (b_slot >= 0) & (b_slot < num_slots)
@@ -135,12 +139,13 @@ def _prefill_fwd_kernel(
 @triton.jit(do_not_specialize=["num_slots", "window"])
 def _prefill_mass_kernel(
     q_ptr, kv_ptr, items_ptr, qo_indptr_ptr, indices_ptr, row_start_ptr, row_count_ptr,
-    last_len_ptr, lse_ptr, mass_ptr,
+    last_len_ptr, first_lane_ptr, lse_ptr, mass_ptr,
     num_slots, page_size, group, head_dim, sm_scale, window,
     stride_qt, stride_qh,
     stride_kv_slot, stride_kv_tok, stride_kv_head,
     stride_lt, stride_lh, stride_mass_e,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_FIRST_LANE: tl.constexpr,
     P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -168,6 +173,9 @@ def _prefill_mass_kernel(
     o_e = e0 + o_page
     o_j = o_e * page_size + o_lane  # [BLOCK_N] absolute key positions
     m_n = (o_lane < page_size) & (o_j < kv_len)
+    if HAS_FIRST_LANE:
+        b_first = tl.load(first_lane_ptr + row_start + o_e, mask=m_n, other=0)
+        m_n = m_n & (o_lane >= b_first)
     b_slot = tl.load(indices_ptr + row_start + o_e, mask=m_n, other=0).to(tl.int64)
     m_n = m_n & (b_slot >= 0) & (b_slot < num_slots)
     o_kv = b_slot * stride_kv_slot + o_lane * stride_kv_tok + i_hk * stride_kv_head
@@ -311,6 +319,7 @@ def paged_prefill_reference(
     return_page_mass: bool = False,
     mass_lse: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
+    first_lane: torch.Tensor | None = None,
 ) -> PrefillOutput:
     """Plain-torch :func:`paged_prefill`, one sequence at a time: gather, mask, softmax, sum.
 
@@ -350,6 +359,11 @@ def paged_prefill_reference(
             visible &= pos_k[None, :] <= pos_q[:, None]
         if sliding_window is not None:
             visible &= pos_q[:, None] - pos_k[None, :] < sliding_window
+        if first_lane is not None:  # left padding: lanes before first_lane[e] are masked
+            first = first_lane[start:start + count].long().repeat_interleave(page_size)[:n_tok]
+            keep = pos_k % page_size >= first
+            visible &= keep[None, :]
+            values = torch.where(keep[:, None, None], values, 0)  # masked lanes may be garbage
         s = s.masked_fill(~visible, float("-inf"))
         row_lse = torch.logsumexp(s, dim=-1)  # [H_q, q_len]
         p = torch.exp(s - torch.where(torch.isinf(row_lse), 0, row_lse)[..., None])
@@ -381,6 +395,7 @@ def paged_prefill(
     validate: bool = True,
     block_m: int = 64,
     block_n: int | None = None,
+    first_lane: torch.Tensor | None = None,
     backend: Backend | None = None,
 ) -> PrefillOutput:
     """Attention of prompt chunks (ragged batch) over their sequences' paged KV.
@@ -408,6 +423,8 @@ def paged_prefill(
         block_m: query rows per program (power of two, at least 16).
         block_n: tokens per KV tile (power of two; raised to the padded page size if smaller;
             default 64, or 32 for head dims above 128).
+        first_lane: optional ``[nnz]`` int32: the tokens of entry ``e`` before lane
+            ``first_lane[e]`` are masked (left padding); 0 masks nothing.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
 
     Returns:
@@ -416,6 +433,9 @@ def paged_prefill(
     """
     batch, hq, d, page_size, hkv, group = _check_prefill_inputs(
         q, kv_pool, page_table, qo_indptr, sliding_window)
+    if first_lane is not None:
+        check_tensor("first_lane", first_lane, shape=(page_table.indices.numel(),),
+                     dtypes=(INDEX_DTYPE,), device=q.device)
     scale = check_sm_scale(sm_scale, d)
     cap = check_softcap(softcap)
     default_n, num_warps = default_tiles(d)
@@ -438,7 +458,8 @@ def paged_prefill(
     if resolve_backend(backend, q, kv_pool) == "torch":
         ref = paged_prefill_reference(
             q, kv_pool, page_table, qo_indptr, sm_scale=scale, causal=causal,
-            sliding_window=sliding_window, softcap=cap, return_page_mass=return_page_mass)
+            sliding_window=sliding_window, softcap=cap, return_page_mass=return_page_mass,
+            first_lane=first_lane)
         out.copy_(ref.out)
         lse.copy_(ref.lse)
         mass = ref.page_mass.float() if ref.page_mass is not None else None
@@ -451,12 +472,14 @@ def paged_prefill(
                                                         device=q.device)
     common = dict(
         CAUSAL=causal, USE_WINDOW=sliding_window is not None, SOFTCAP=cap,
+        HAS_FIRST_LANE=first_lane is not None,
         P_PAD=p_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
     )
     window = sliding_window or 0
     tables = (qo_indptr, page_table.indices, page_table.row_start, page_table.row_count,
-              page_table.last_page_len)
+              page_table.last_page_len,
+              first_lane.contiguous() if first_lane is not None else page_table.indices)
     if q_items.shape[0] > 0:
         _prefill_fwd_kernel[(q_items.shape[0], hq)](
             q, kv_pool, q_items, *tables, out_k, lse,
@@ -503,6 +526,7 @@ def paged_prefill_mass(
     validate: bool = True,
     block_m: int = 64,
     block_n: int | None = None,
+    first_lane: torch.Tensor | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
     """Page mass of a chunk normalised by a given LSE (pass 2 of :func:`paged_prefill` alone).
@@ -516,12 +540,16 @@ def paged_prefill_mass(
         q, kv_pool, page_table, qo_indptr, sm_scale, causal, sliding_window, softcap: as in
             :func:`paged_prefill` for this page set.
         lse: ``[total_q, H_q]`` fp32 LSE to normalise by (``-inf`` rows contribute nothing).
+        first_lane: as in :func:`paged_prefill`.
 
     Returns:
         ``[nnz, H_kv]`` fp32 mass aligned with ``page_table.indices``.
     """
     batch, hq, d, page_size, hkv, group = _check_prefill_inputs(
         q, kv_pool, page_table, qo_indptr, sliding_window)
+    if first_lane is not None:
+        check_tensor("first_lane", first_lane, shape=(page_table.indices.numel(),),
+                     dtypes=(INDEX_DTYPE,), device=q.device)
     check_tensor("lse", lse, shape=(q.shape[0], hq), dtypes=(torch.float32,), device=q.device)
     scale = check_sm_scale(sm_scale, d)
     cap = check_softcap(softcap)
@@ -540,15 +568,17 @@ def paged_prefill_mass(
         return paged_prefill_reference(
             q, kv_pool, page_table, qo_indptr, sm_scale=scale, causal=bool(causal),
             sliding_window=sliding_window, softcap=cap, return_page_mass=True,
-            mass_lse=lse).page_mass.float()
+            mass_lse=lse, first_lane=first_lane).page_mass.float()
     if q.stride(-1) != 1:
         q = q.contiguous()
     common = dict(
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, SOFTCAP=cap,
+        HAS_FIRST_LANE=first_lane is not None,
         P_PAD=p_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
     )
     tables = (qo_indptr.contiguous(), page_table.indices, page_table.row_start,
-              page_table.row_count, page_table.last_page_len)
+              page_table.row_count, page_table.last_page_len,
+              first_lane.contiguous() if first_lane is not None else page_table.indices)
     return _launch_mass(q, kv_pool, page_table, kv_items, tables, lse, scale,
                         sliding_window or 0, group, common)

@@ -11,8 +11,8 @@ Nothing happens at import time.
 Supported here (this is the first slice of the HF integration): decoder-only models whose
 attention layers are plain full attention (no KV sharing, no linear-attention or chunked
 layers), sliding windows only when the window covers ``max_context``, logit softcap (Gemma 2),
-batches without padding, greedy and sampling. Everything else raises a clear error rather than
-produce different output.
+batches with left padding (the padded tokens are stored but never attended), greedy and
+sampling. Everything else raises a clear error rather than produce different output.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 
     Args:
         query: ``[B, H_q, T, D]`` post-RoPE; ``key``/``value`` were already appended to the cache.
-        attention_mask: ``None`` or the ``[B, kv_len]`` padding mask (``flash_attention_mask``).
+        attention_mask: ``None`` or the ``[B, kv_len]`` padding mask (``flash_attention_mask``);
+            left padding is handed to the runtime, other patterns are refused.
 
     Returns:
         ``([B, T, H_q, D], None)``.
@@ -56,10 +57,8 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         raise RuntimeError(
             "tierattn: the patched model ran attention without its TieredCache (plain forward "
             "without a cache?). Call generate(), or pass cache=TieredCache(model.config, config).")
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise NotImplementedError(
-            "tierattn: padded batches are not supported by this version of the tiered path; "
-            "run the sequences one at a time or with equal lengths.")
+    if attention_mask is not None:
+        _left_padding(cache, attention_mask)
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("tierattn: attention sinks (s_aux) are not supported yet.")
     window = kwargs.get("sliding_window")
@@ -73,6 +72,29 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     out = cache.runtime.attend(module.layer_idx, query, sm_scale=scaling,
                                softcap=kwargs.get("softcap"))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _left_padding(cache: TieredCache, mask: torch.Tensor) -> None:
+    """Hand the runtime the left padding of a ``[B, kv_len]`` padding mask (HF pads on the
+    left for generation); any other padding pattern is refused."""
+    keep = mask.bool()
+    pad = (~keep).sum(dim=1).cpu()
+    if bool(keep.all()):
+        pad = torch.zeros_like(pad)
+    else:
+        left = torch.arange(keep.shape[1], device=keep.device)[None, :] >= pad.to(keep.device)[
+            :, None]
+        if not torch.equal(keep, left):
+            raise NotImplementedError(
+                "tierattn: only left padding is supported (attention_mask rows of the form "
+                "0..0 1..1); pad on the left, as generate() expects for decoder-only models.")
+    runtime = cache.runtime
+    if not torch.equal(runtime.pad, pad):
+        if bool((runtime.pad > 0).any()):
+            raise NotImplementedError(
+                f"tierattn: the padding changed from {runtime.pad.tolist()} to {pad.tolist()} "
+                "tokens during generation; the tiered cache supports a fixed left padding.")
+        runtime.set_padding(pad)
 
 
 def _register() -> None:

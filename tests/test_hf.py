@@ -49,11 +49,16 @@ def generate(model, ids, **kw):
 @pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_exact_mode_generation_equals_reference(model_type, batch, figures):
+    """Batch 3 is left-padded by 0, 5 and 11 tokens: padding pages and the page where the
+    padding ends are masked, and the prompts cross page boundaries at different offsets."""
     model = tiny(model_type)
     ids = torch.randint(3, 128, (batch, 29), generator=torch.Generator().manual_seed(batch))
-    ref = generate(model, ids)
+    mask = torch.ones_like(ids)
+    for b, pad in enumerate([0, 5, 11][:batch]):
+        ids[b, :pad], mask[b, :pad] = 0, 0
+    ref = generate(model, ids, attention_mask=mask)
     with tierattn.patch(model, exact_config()) as handle:
-        out = generate(model, ids)
+        out = generate(model, ids, attention_mask=mask)
         stats = handle.stats()["total"]
     diff = max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits))
     same = torch.equal(out.sequences, ref.sequences)
@@ -63,7 +68,8 @@ def test_exact_mode_generation_equals_reference(model_type, batch, figures):
     assert diff < 1e-4  # fp32 end to end: kernel rounding only
     assert stats["demoted_pages"] > 0 and stats["h2d_bytes_total"] > 0
     assert stats["evicted_tokens"] == 0
-    figures.count(f"HF architectures token-identical in exact mode (batch {batch})")
+    figures.count(f"HF architectures token-identical in exact mode (batch {batch}"
+                  f"{', left-padded' if batch > 1 else ''})")
 
 
 def test_triton_backend_under_interpreter_end_to_end():
@@ -145,9 +151,9 @@ def test_unsupported_requests_are_refused_clearly():
     model = tiny("llama")
     padded = torch.randint(3, 128, (2, 9))
     mask = torch.ones_like(padded)
-    mask[0, :3] = 0
+    mask[0, -3:] = 0  # right padding
     with tierattn.patch(model, exact_config()):
-        with pytest.raises(NotImplementedError, match="padded"):
+        with pytest.raises(NotImplementedError, match="left padding"):
             generate(model, padded, attention_mask=mask)
         with pytest.raises(NotImplementedError, match="beam"):
             generate(model, padded[:1], num_beams=2)

@@ -124,3 +124,52 @@ def test_decode_widest_pages(page_size, device, figures):
             key=lambda r: r.ratio)
     figures.case("decode", c)
     assert c.ok, c
+
+
+@pytest.mark.parametrize("pad", [0, 1, 5, 8, 13])
+def test_first_lane_masks_left_padding_exactly(pad, device, figures):
+    """Masking the first ``pad`` tokens equals attending a sequence without them: decode,
+    prefill and the prefill mass (the padded tokens get no mass)."""
+    gen = torch.Generator().manual_seed(pad)
+    p, hq, hkv, d = 8, 4, 2, 32
+    n = 29
+    pages = torch.randn(4, 2, p, hkv, d, generator=gen).to(torch.bfloat16)
+    tokens = pages.permute(0, 2, 1, 3, 4).reshape(4 * p, 2, hkv, d)[:n]
+    pages_nan = pages.clone()
+    flat = pages_nan.permute(0, 2, 1, 3, 4)  # [page, lane, 2, H, D] view
+    for t in range(pad):  # padded tokens hold garbage: masking must not read them
+        flat[t // p, t % p] = float("nan")
+    table = one_row([0, 1, 2, 3], n - 3 * p, device)
+    first = torch.tensor([min(max(pad - e * p, 0), p) for e in range(4)], dtype=I32,
+                         device=device)
+    # the same tokens without the padding, packed from position 0
+    kept = tokens[pad:]
+    m = len(kept)
+    packed = torch.zeros(4, p, 2, hkv, d, dtype=torch.bfloat16)
+    packed.view(4 * p, 2, hkv, d)[:m] = kept
+    packed = packed.permute(0, 2, 1, 3, 4).contiguous()
+    ptab = one_row(list(range(-(-m // p))), m - (-(-m // p) - 1) * p)
+    q = torch.randn(1, hq, d, generator=gen).to(torch.bfloat16)
+    res = sparse_decode(q.to(device), pages_nan.to(device), table, first_lane=first,
+                        return_page_mass=True)
+    ref = sparse_decode_reference(q.double(), packed.double(), ptab)
+    low = sparse_decode_reference(q, packed, ptab, compute_dtype=torch.bfloat16)
+    c = check_rule(res.out, ref.out, low.out, torch.bfloat16)
+    figures.case("decode", c)
+    assert c.ok, c
+    assert float(res.page_mass[: pad // p].sum()) == 0.0
+    # prefill of the last 6 tokens (causal), and its mass under its own LSE
+    qp = torch.randn(6, hq, d, generator=gen).to(torch.bfloat16)
+    qo = torch.tensor([0, 6], dtype=I32)
+    got = paged_prefill(qp.to(device), pages_nan.to(device), table, qo.to(device),
+                        first_lane=first, return_page_mass=True)
+    ref_p = paged_prefill_reference(qp.double(), packed.double(), ptab, qo)
+    low_p = paged_prefill_reference(qp, packed, ptab, qo, compute_dtype=torch.bfloat16)
+    c = check_rule(got.out, ref_p.out, low_p.out, torch.bfloat16)
+    figures.case("prefill", c)
+    assert c.ok, c
+    again = paged_prefill_mass(qp.to(device), pages_nan.to(device), table, qo.to(device),
+                               got.lse, first_lane=first)
+    assert torch.equal(again, got.page_mass)
+    assert torch.allclose(got.page_mass.sum(0).cpu(), torch.full((hkv,), 6.0 * hq / hkv),
+                          atol=1e-4)

@@ -72,6 +72,28 @@ def test_page_size_one_demotes_every_step_and_stays_exact(seed):
     assert per_step and all(n >= 1 for n in per_step)  # a page leaves HBM at every step
 
 
+def test_left_padding_is_never_attended(seed):
+    cfg = TierConfig(page_size=4, hot_budget=0.3, tiers=TIER_SETS["ddr"], max_context=96,
+                     prefill_chunk_size=32, backend="torch")
+    cache, shadow = make(cfg, batch=3), Shadow(L, 3, HKV, D, torch.float32)
+    pad = [0, 6, 13]
+    cache.set_padding(pad)
+    keep_fn = lambda n: torch.arange(n)[None, :] >= torch.tensor(pad)[:, None]
+
+    def check(layer, out, q):
+        want = shadow.attend(layer, q, keep=keep_fn(cache.length(layer)))
+        padded_query = torch.isnan(want)  # a query inside the padding sees no key at all
+        assert (out.double()[padded_query] == 0).all()
+        err = float((out.double() - want)[~padded_query].abs().max())
+        assert err < 2e-5, err
+        return err
+    gen = torch.Generator().manual_seed(seed)
+    run_loop(cache, shadow, prompt=30, steps=14, hq=HQ, gen=gen, chunk=15, check=check)
+    assert cache.stats()["total"]["demoted_pages"] > 0
+    with pytest.raises(KernelInputError, match="pad must list 3"):
+        cache.set_padding([1, 2])
+
+
 def test_disk_tier_exact_and_files_validated(tmp_path, seed):
     tiers = (TierSpec("hbm"), TierSpec("ddr", capacity_pages=4),
              TierSpec("disk", path=str(tmp_path)))

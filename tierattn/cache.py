@@ -166,6 +166,7 @@ class TieredKVCache:
                                 device=self.device)
         self.kmax = torch.zeros_like(self.kmin)
         self.alive = torch.ones(b, dtype=torch.bool)
+        self.pad = torch.zeros(b, dtype=torch.long)  # leading padding tokens per sequence
         self.layers = [self._new_layer() for _ in range(num_layers)]
         self.telemetry = Telemetry(num_layers)
         self._calls = 0  # attend calls so far: picks the staging buffer
@@ -228,6 +229,30 @@ class TieredKVCache:
         m[: self.config.sink_pages] = True
         m[max(0, n_pages - self.config.recent_pages - 1):] = True
         return m
+
+    def set_padding(self, pad: torch.Tensor | list[int]) -> None:
+        """Mark the first ``pad[b]`` tokens of sequence ``b`` as left padding: they stay stored
+        but are never attended (pages made only of padding are skipped, the boundary page is
+        masked token by token)."""
+        pad = torch.as_tensor(pad, dtype=torch.long).flatten().cpu()
+        if pad.numel() != self.batch_size or (pad < 0).any():
+            raise KernelInputError(f"pad must list {self.batch_size} non-negative token counts, "
+                                   f"got {pad.tolist()}.")
+        self.pad = pad.clone()
+
+    def _attendable(self, n_pages: int) -> torch.Tensor:
+        """``[B, n_pages]``: live sequences' pages that hold at least one non-padding token."""
+        ends = (torch.arange(n_pages) + 1) * self.page_size
+        return self.alive[:, None] & (ends[None, :] > self.pad[:, None])
+
+    def _first_lane(self, pages: list[list[int]]) -> torch.Tensor | None:
+        """Per table entry, the first non-padding lane (None when nothing is padded)."""
+        if not bool((self.pad > 0).any()):
+            return None
+        p = self.page_size
+        first = [min(max(int(self.pad[bi]) - pg * p, 0), p) for bi, row in enumerate(pages)
+                 for pg in row]
+        return torch.tensor(first, dtype=torch.int32, device=self.device)
 
     # --- append ------------------------------------------------------------------------------
 
@@ -328,7 +353,7 @@ class TieredKVCache:
         self._calls += 1
         qd = q.to(self.device, self.dtype)
         n_pages = self.num_pages(layer)
-        cold = (st.tier[:, :n_pages] > HOT) & self.alive[:, None]
+        cold = (st.tier[:, :n_pages] > HOT) & self._attendable(n_pages)
 
         if decode and cfg.attend == "topk":
             need = self._select_topk(layer, qd[:, :, 0], cold)
@@ -337,6 +362,7 @@ class TieredKVCache:
             need = [c.nonzero().flatten().tolist() for c in cold]
 
         hot_table, hot_pages = self._hot_table(layer, n_pages)
+        hot_first = self._first_lane(hot_pages)
         parts, staged_runs = [], []
         want_mass = cfg.score in ("mass", "hybrid") or (
             cfg.evict_budget != 0 and cfg.evict_policy == "h2o")
@@ -345,24 +371,27 @@ class TieredKVCache:
             q1 = qd[:, :, 0]
             parts.append(sparse_decode(q1, self.hbm.pool(layer), hot_table, sm_scale=scale,
                                        softcap=softcap, return_page_mass=want_mass,
-                                       validate=False, backend=self.backend))
+                                       validate=False, first_lane=hot_first,
+                                       backend=self.backend))
             tel.kernel_launches += 1
         else:
             qf = qd.permute(0, 2, 1, 3).reshape(b * t, hq, d)
             qo = torch.arange(b + 1, dtype=torch.int32, device=self.device) * t
             parts.append(paged_prefill(qf, self.hbm.pool(layer), hot_table, qo, sm_scale=scale,
-                                       softcap=softcap, validate=False, backend=self.backend))
+                                       softcap=softcap, validate=False, first_lane=hot_first,
+                                       backend=self.backend))
             tel.kernel_launches += 1
         for run in self._fetch(layer, need, buffer):
             table = self._staged_table(run)
             pool = self.staging[run.buffer]
+            first = self._first_lane(run.pages)
             if decode:
                 parts.append(sparse_decode(q1, pool, table, sm_scale=scale, softcap=softcap,
                                            return_page_mass=want_mass, validate=False,
-                                           backend=self.backend))
+                                           first_lane=first, backend=self.backend))
             else:
                 parts.append(paged_prefill(qf, pool, table, qo, sm_scale=scale, causal=False,
-                                           softcap=softcap, validate=False,
+                                           softcap=softcap, validate=False, first_lane=first,
                                            backend=self.backend))
             tel.kernel_launches += 1
             staged_runs.append((run, table))
@@ -412,7 +441,7 @@ class TieredKVCache:
         """Hot pages of each sequence in logical order (a compact row: the recent tail is
         contiguous and hot, so positions inside the tail stay exact for causal masking)."""
         st, p = self.layers[layer], self.page_size
-        hot = (st.tier[:, :n_pages] == HOT) & self.alive[:, None]
+        hot = (st.tier[:, :n_pages] == HOT) & self._attendable(n_pages)
         pages = [h.nonzero().flatten().tolist() for h in hot]
         counts = [len(x) for x in pages]
         last = st.length - (n_pages - 1) * p if n_pages else 0
@@ -565,7 +594,7 @@ class TieredKVCache:
         if st.length == 0 or (nxt == 0 and q is None):
             return
         n_pages = self.num_pages(nxt)
-        cold = (st.tier[:, :n_pages] > HOT) & self.alive[:, None]
+        cold = (st.tier[:, :n_pages] > HOT) & self._attendable(n_pages)
         if cfg.attend == "all":
             pages = [c.nonzero().flatten().tolist() for c in cold]
         elif cfg.prefetch == "speculative":
@@ -611,7 +640,7 @@ class TieredKVCache:
             return
         b, hq, t, d = qd.shape
         kw = dict(sm_scale=scale, causal=causal, softcap=softcap, validate=False,
-                  backend=self.backend)
+                  first_lane=self._first_lane(pages), backend=self.backend)
         tel = self.telemetry.layers[layer]
         if mass:
             qf = qd.permute(0, 2, 1, 3).reshape(b * t, hq, d)
@@ -902,6 +931,7 @@ class TieredKVCache:
             self.kmax[layer] = self.kmax[layer][src.to(self.device)]
             st.selection = None
         self.alive = self.alive[torch.tensor(index)]
+        self.pad = self.pad[torch.tensor(index)]
         self._rank_noise = self._rank_noise[torch.tensor(index)]
 
     def gather(self, layer: int, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -954,7 +984,8 @@ class TieredKVCache:
     def save(self, directory: str | Path) -> Path:
         """Write the whole cache (every tier, tables, importance) to one safetensors file in
         ``directory``, atomically; returns its path."""
-        tensors: dict[str, torch.Tensor] = {"alive": self.alive.to(torch.uint8)}
+        tensors: dict[str, torch.Tensor] = {"alive": self.alive.to(torch.uint8),
+                                            "pad": self.pad.clone()}
         for layer, st in enumerate(self.layers):
             live = (st.tier != NONE).nonzero()
             pages = torch.zeros(len(live), *self.page_shape, dtype=self.dtype)
@@ -983,12 +1014,12 @@ class TieredKVCache:
                 if header.meta.get(k) != want:
                     raise KVFileError(f"{header.path}: metadata {k}={header.meta.get(k)!r}, "
                                       f"this cache expects {want!r}.")
-            want_names = {"alive"} | {f"layer{i}.{n}" for i in range(self.num_layers)
+            want_names = {"alive", "pad"} | {f"layer{i}.{n}" for i in range(self.num_layers)
                                       for n in ("pages", "tier", "evicted", "mass", "length")}
             if set(header.tensors) != want_names:
                 raise KVFileError(f"{header.path}: tensors {sorted(header.tensors)} do not match "
                                   "a saved cache of this geometry.")
-            fixed = {"alive": (torch.uint8, (b,))}
+            fixed = {"alive": (torch.uint8, (b,)), "pad": (torch.int64, (b,))}
             for i in range(self.num_layers):
                 fixed.update({f"layer{i}.tier": (torch.int32, (b, mp)),
                               f"layer{i}.evicted": (torch.uint8, (b, mp)),
@@ -1025,6 +1056,7 @@ class TieredKVCache:
                     self.tiers[int(st.tier[bi, pg])].release(layer, [int(st.slot[bi, pg])])
         self.layers = [self._new_layer() for _ in range(self.num_layers)]
         self.alive = data["alive"].bool()
+        self.pad = data["pad"].clamp(min=0)
         for layer, (tier, live, length) in enumerate(plans):
             st = self.layers[layer]
             st.length = length
