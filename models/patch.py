@@ -8,11 +8,12 @@ attention kwargs. ``patch`` switches the model's attention implementation to ``"
 gives ``generate`` a tiered cache when the caller passes none; the returned handle undoes both.
 Nothing happens at import time.
 
-Supported here (this is the first slice of the HF integration): decoder-only models whose
-attention layers are plain full attention (no KV sharing, no linear-attention or chunked
-layers), sliding windows only when the window covers ``max_context``, logit softcap (Gemma 2),
-batches with left padding (the padded tokens are stored but never attended), greedy and
-sampling. Everything else raises a clear error rather than produce different output.
+Supported here: decoder-only models whose attention layers are full or sliding-window
+attention (no KV sharing, no linear-attention or chunked layers): sliding windows (pages that
+left a layer's window are dropped, as HF's sliding caches do; the window stays hot), logit
+softcap (Gemma 2), attention sinks (GPT-OSS), batches with left padding (the padded tokens are
+stored but never attended), greedy and sampling. Everything else raises a clear error rather
+than produce different output.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ ATTN_NAME = "tierattn"
 #: config attribute of the attention logit softcap when the family has one.
 SUPPORTED_MODEL_TYPES: dict[str, dict] = {
     "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {}, "phi3": {},
-    "gemma": {}, "gemma2": {"softcap": "attn_logit_softcapping"}, "olmo2": {},
+    "gemma": {}, "gemma2": {"softcap": "attn_logit_softcapping"}, "gemma3_text": {},
+    "olmo2": {}, "cohere2": {}, "gpt_oss": {"sinks": True},
 }
 
 
@@ -59,18 +61,12 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
             "without a cache?). Call generate(), or pass cache=TieredCache(model.config, config).")
     if attention_mask is not None:
         _left_padding(cache, attention_mask)
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("tierattn: attention sinks (s_aux) are not supported yet.")
-    window = kwargs.get("sliding_window")
-    if window is not None and window < cache.runtime.length(module.layer_idx):
-        raise NotImplementedError(
-            f"tierattn: a sliding window of {window} tokens became active (context "
-            f"{cache.runtime.length(module.layer_idx)}); sliding-window layers are not supported "
-            "by the tiered path yet.")
     if dropout:
         raise NotImplementedError("tierattn: attention dropout is not supported (inference only).")
     out = cache.runtime.attend(module.layer_idx, query, sm_scale=scaling,
-                               softcap=kwargs.get("softcap"))
+                               softcap=kwargs.get("softcap"),
+                               sliding_window=kwargs.get("sliding_window"),
+                               sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -117,12 +113,6 @@ def _check_supported(model, config: TierConfig) -> None:
     odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
     if odd:
         raise NotImplementedError(f"tierattn.patch: layer types {odd} are not supported.")
-    window = getattr(text, "sliding_window", None)
-    sliding = "sliding_attention" in layer_types or (window is not None and not layer_types)
-    if sliding and window is not None and window < config.max_context:
-        raise NotImplementedError(
-            f"tierattn.patch: sliding_window={window} < max_context={config.max_context}: "
-            "sliding-window layers are not supported yet; lower max_context to the window.")
 
 
 class PatchHandle:

@@ -73,6 +73,7 @@ class _Layer:
     selection: list[list[int]] | None = None  # topk: pages recalled at the previous step
     prefetch: _Prefetch | None = None
     length: int = 0  # tokens per sequence
+    window: int | None = None  # sliding window of this layer (HF semantics: q - k < window)
 
 
 @dataclass
@@ -223,9 +224,16 @@ class TieredKVCache:
     def num_pages(self, layer: int = 0) -> int:
         return math.ceil(self.layers[layer].length / self.page_size)
 
-    def _must_hot(self, n_pages: int) -> torch.Tensor:
-        """``[n_pages]`` bool: sink pages, the recent window and the page being filled."""
+    def _must_hot(self, n_pages: int, layer: int | None = None) -> torch.Tensor:
+        """``[n_pages]`` bool: sink pages, the recent window and the page being filled; on a
+        sliding-window layer, every page a future query can still see (kept contiguous and hot,
+        which keeps positions exact for the window mask)."""
         m = torch.zeros(n_pages, dtype=torch.bool)
+        st = self.layers[layer] if layer is not None else None
+        if st is not None and st.window is not None:
+            keep_from = st.length - st.window + 1
+            m[(torch.arange(n_pages) + 1) * self.page_size > keep_from] = True
+            return m
         m[: self.config.sink_pages] = True
         m[max(0, n_pages - self.config.recent_pages - 1):] = True
         return m
@@ -240,17 +248,22 @@ class TieredKVCache:
                                    f"got {pad.tolist()}.")
         self.pad = pad.clone()
 
-    def _attendable(self, n_pages: int) -> torch.Tensor:
-        """``[B, n_pages]``: live sequences' pages that hold at least one non-padding token."""
+    def _attendable(self, n_pages: int, start: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, n_pages]``: live sequences' pages holding a token at or after ``start[b]``
+        (default: the end of the left padding)."""
+        start = self.pad if start is None else start
         ends = (torch.arange(n_pages) + 1) * self.page_size
-        return self.alive[:, None] & (ends[None, :] > self.pad[:, None])
+        return self.alive[:, None] & (ends[None, :] > start[:, None])
 
-    def _first_lane(self, pages: list[list[int]]) -> torch.Tensor | None:
-        """Per table entry, the first non-padding lane (None when nothing is padded)."""
-        if not bool((self.pad > 0).any()):
+    def _first_lane(self, pages: list[list[int]],
+                    start: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Per table entry, the first lane at or after ``start[b]`` (default: the end of the
+        padding); None when nothing is masked."""
+        start = self.pad if start is None else start
+        if not bool((start > 0).any()):
             return None
         p = self.page_size
-        first = [min(max(int(self.pad[bi]) - pg * p, 0), p) for bi, row in enumerate(pages)
+        first = [min(max(int(start[bi]) - pg * p, 0), p) for bi, row in enumerate(pages)
                  for pg in row]
         return torch.tensor(first, dtype=torch.int32, device=self.device)
 
@@ -328,11 +341,19 @@ class TieredKVCache:
     # --- attention ---------------------------------------------------------------------------
 
     def attend(self, layer: int, q: torch.Tensor, *, sm_scale: float | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, sliding_window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the ``T`` newest tokens' queries over ``layer``'s cache (causal).
 
         Args:
             q: ``[B, H_q, T, D]`` queries (post-RoPE) of the tokens the last :meth:`update` added.
+            sm_scale: score scale (default ``D ** -0.5``).
+            softcap: optional logit softcap.
+            sliding_window: this layer's window ``W`` (a query at ``t`` sees keys ``t - j < W``):
+                pages no future query can see are dropped (as HF's sliding caches do), the rest
+                stay hot; pass it on every call of a sliding layer.
+            sinks: optional ``[H_q]`` attention-sink logits (GPT-OSS): an extra logit per head
+                with a zero value vector, so ``out *= sigmoid(lse - sinks)``.
 
         Returns:
             ``[B, H_q, T, D]`` in ``q``'s dtype.
@@ -349,11 +370,24 @@ class TieredKVCache:
                                    "tokens; call update(layer, k, v) first.")
         decode = t == 1
         self._decoding = decode
+        if sliding_window is not None and (not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise KernelInputError(f"sliding_window must be an int >= 1, got {sliding_window!r}.")
+        st.window = sliding_window
         buffer = self._calls % RING
         self._calls += 1
         qd = q.to(self.device, self.dtype)
         n_pages = self.num_pages(layer)
-        cold = (st.tier[:, :n_pages] > HOT) & self._attendable(n_pages)
+        # tokens before `visible_from` are padding or outside every query's window
+        visible_from = self.pad
+        if st.window is not None:
+            visible_from = torch.clamp(self.pad, min=st.length - t - st.window + 1)
+        attendable = self._attendable(n_pages, visible_from)
+        cold = (st.tier[:, :n_pages] > HOT) & attendable
+        if st.window is not None and not decode and bool(cold.any()):
+            raise NotImplementedError(
+                f"layer {layer}: a sliding-window prefill found demoted pages inside the window; "
+                "pass sliding_window on every attend call of this layer.")
 
         if decode and cfg.attend == "topk":
             need = self._select_topk(layer, qd[:, :, 0], cold)
@@ -361,8 +395,11 @@ class TieredKVCache:
         else:
             need = [c.nonzero().flatten().tolist() for c in cold]
 
-        hot_table, hot_pages = self._hot_table(layer, n_pages)
-        hot_first = self._first_lane(hot_pages)
+        hot_table, hot_pages = self._hot_table(layer, n_pages, attendable)
+        # decode masks the window token by token; prefill lets the kernel apply it
+        lane_from = torch.clamp(self.pad, min=st.length - st.window) \
+            if st.window is not None and decode else self.pad
+        hot_first = self._first_lane(hot_pages, lane_from)
         parts, staged_runs = [], []
         want_mass = cfg.score in ("mass", "hybrid") or (
             cfg.evict_budget != 0 and cfg.evict_policy == "h2o")
@@ -379,12 +416,12 @@ class TieredKVCache:
             qo = torch.arange(b + 1, dtype=torch.int32, device=self.device) * t
             parts.append(paged_prefill(qf, self.hbm.pool(layer), hot_table, qo, sm_scale=scale,
                                        softcap=softcap, validate=False, first_lane=hot_first,
-                                       backend=self.backend))
+                                       sliding_window=st.window, backend=self.backend))
             tel.kernel_launches += 1
         for run in self._fetch(layer, need, buffer):
             table = self._staged_table(run)
             pool = self.staging[run.buffer]
-            first = self._first_lane(run.pages)
+            first = self._first_lane(run.pages, lane_from)
             if decode:
                 parts.append(sparse_decode(q1, pool, table, sm_scale=scale, softcap=softcap,
                                            return_page_mass=want_mass, validate=False,
@@ -403,6 +440,9 @@ class TieredKVCache:
             out, lse = merge_states(torch.stack([x.out for x in parts]),
                                     torch.stack([x.lse for x in parts]), backend=self.backend)
             tel.kernel_launches += 1
+        if sinks is not None:  # the sink takes exp(sink) of the softmax mass and adds nothing
+            sink = sinks.to(lse.device, torch.float32)
+            out = out * torch.sigmoid(lse - sink).unsqueeze(-1)
 
         want_snap = not decode and cfg.evict_budget != 0 and cfg.evict_policy == "snapkv"
         if decode and want_mass:
@@ -437,11 +477,12 @@ class TieredKVCache:
         tel.host_time_s += time.perf_counter() - t0
         return res.to(q.dtype)
 
-    def _hot_table(self, layer: int, n_pages: int) -> tuple[PageTable, list[list[int]]]:
+    def _hot_table(self, layer: int, n_pages: int,
+                   attendable: torch.Tensor) -> tuple[PageTable, list[list[int]]]:
         """Hot pages of each sequence in logical order (a compact row: the recent tail is
         contiguous and hot, so positions inside the tail stay exact for causal masking)."""
         st, p = self.layers[layer], self.page_size
-        hot = (st.tier[:, :n_pages] == HOT) & self._attendable(n_pages)
+        hot = (st.tier[:, :n_pages] == HOT) & attendable
         pages = [h.nonzero().flatten().tolist() for h in hot]
         counts = [len(x) for x in pages]
         last = st.length - (n_pages - 1) * p if n_pages else 0
@@ -639,8 +680,10 @@ class TieredKVCache:
         if not any(pages):
             return
         b, hq, t, d = qd.shape
+        window = self.layers[layer].window if causal else None
         kw = dict(sm_scale=scale, causal=causal, softcap=softcap, validate=False,
-                  first_lane=self._first_lane(pages), backend=self.backend)
+                  first_lane=self._first_lane(pages), sliding_window=window,
+                  backend=self.backend)
         tel = self.telemetry.layers[layer]
         if mass:
             qf = qd.permute(0, 2, 1, 3).reshape(b * t, hq, d)
@@ -699,6 +742,13 @@ class TieredKVCache:
         st, cfg, p = self.layers[layer], self.config, self.page_size
         n_pages = self.num_pages(layer)
         if n_pages == 0:
+            return
+        if st.window is not None:  # no future query sees pages ending before the window
+            gone = ~self._must_hot(n_pages, layer) & (st.tier[:, :n_pages] != NONE)
+            for bi in self.alive.nonzero().flatten().tolist():
+                pages = gone[bi].nonzero().flatten().tolist()
+                if pages:
+                    self._drop(layer, bi, pages, window=True)
             return
         must = self._must_hot(n_pages)
         full = torch.ones(n_pages, dtype=torch.bool)
@@ -762,7 +812,7 @@ class TieredKVCache:
         st = self.layers[layer]
         n_pages = self.num_pages(layer)
         short = need - self.hbm.num_free(layer)
-        must = self._must_hot(n_pages)
+        must = self._must_hot(n_pages, layer)
         rank = self._rank(layer, n_pages) if n_pages else None
         cands = sorted((float(rank[bi, pg]), bi, pg)
                        for bi in self.alive.nonzero().flatten().tolist()
@@ -781,7 +831,8 @@ class TieredKVCache:
         tokens = budget * length if isinstance(budget, float) else budget
         return int(tokens // self.page_size)
 
-    def _drop(self, layer: int, bi: int, pages: list[int]) -> None:
+    def _drop(self, layer: int, bi: int, pages: list[int], window: bool = False) -> None:
+        """Release ``pages``; ``window``: they left a sliding window (not an eviction)."""
         st = self.layers[layer]
         for ti, tier in enumerate(self.tiers):
             sl = [int(st.slot[bi, pg]) for pg in pages if int(st.tier[bi, pg]) == ti]
@@ -789,7 +840,10 @@ class TieredKVCache:
                 tier.release(layer, sl)
         st.tier[bi, pages] = NONE
         st.evicted[bi, pages] = True
-        self.telemetry.layers[layer].evicted_tokens += len(pages) * self.page_size
+        if window:
+            self.telemetry.layers[layer].window_dropped_tokens += len(pages) * self.page_size
+        else:
+            self.telemetry.layers[layer].evicted_tokens += len(pages) * self.page_size
 
     def _demote(self, layer: int, pages: list[tuple[int, int]]) -> None:
         """Move hot pages to the first lower tiers with room: one copy launch per destination

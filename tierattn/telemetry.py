@@ -26,6 +26,7 @@ class LayerCounters:
     late_misses: int = 0  # pages fetched synchronously because no prefetch covered them
     wasted_prefetches: int = 0  # prefetched pages the layer did not attend
     evicted_tokens: int = 0
+    window_dropped_tokens: int = 0  # left a sliding window: no query can see them again
     demoted_pages: int = 0
     attend_calls: int = 0
     decode_steps: int = 0
@@ -41,6 +42,7 @@ class LayerCounters:
             "copy_launches_decode": self.copy_launches_decode,
             "prefetch_hits": self.prefetch_hits, "late_misses": self.late_misses,
             "wasted_prefetches": self.wasted_prefetches, "evicted_tokens": self.evicted_tokens,
+            "window_dropped_tokens": self.window_dropped_tokens,
             "demoted_pages": self.demoted_pages, "attend_calls": self.attend_calls,
             "decode_steps": self.decode_steps, "host_time_s": self.host_time_s,
         }
@@ -67,6 +69,7 @@ class Telemetry:
         for key in ("h2d_bytes_total", "d2h_bytes_total", "h2d_decode_bytes", "copy_launches",
                     "copy_launches_decode", "kernel_launches",
                     "prefetch_hits", "late_misses", "wasted_prefetches", "evicted_tokens",
+                    "window_dropped_tokens",
                     "demoted_pages", "attend_calls", "host_time_s"):
             total[key] = sum(d[key] for d in per_layer)
         for key in ("h2d_bytes", "d2h_bytes"):
