@@ -1,12 +1,15 @@
 """TieredCache: a transformers ``Cache`` whose layers live in a :class:`TieredKVCache`.
 
 ``update`` appends the new tokens to the runtime and hands the cache to the attention function
-through the attention kwargs (the dict every attention module passes to both calls), which then
-attends over the runtime's hot and fetched pages. ``update`` returns the new tokens' K/V unchanged:
-no model served here reads them back (KV-sharing models are refused by :mod:`.patch`).
+that the same attention module calls right after it: through the attention kwargs where the
+module passes them to ``update`` (transformers >= 5.2x), and through a context variable
+otherwise. ``update`` returns the new tokens' K/V unchanged: no model served here reads them back
+(KV-sharing models are refused by :mod:`.patch`).
 """
 
 from __future__ import annotations
+
+import contextvars
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -18,6 +21,9 @@ __all__ = ["CACHE_KWARG", "TieredCache"]
 
 #: key of the attention kwargs under which the cache reaches the attention function
 CACHE_KWARG = "tierattn_cache"
+#: the cache whose layer was updated last in this thread/task (for versions without kwargs)
+CURRENT: contextvars.ContextVar[TieredCache | None] = contextvars.ContextVar(
+    "tierattn_current_cache", default=None)
 
 
 class _TieredLayer(CacheLayerMixin):
@@ -37,12 +43,16 @@ class _TieredLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.owner.runtime.update(self.layer_idx, key_states, value_states)
+        self.owner.pending_layer = self.layer_idx  # the attention call that follows may read it
         attn_kwargs = kwargs.get("kwargs")
         if isinstance(attn_kwargs, dict):
             attn_kwargs[CACHE_KWARG] = self.owner
+        CURRENT.set(self.owner)
         return key_states, value_states
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # early 5.x passes cache_position
+            query_length = query_length.shape[0]
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
@@ -50,6 +60,9 @@ class _TieredLayer(CacheLayerMixin):
         return rt.length(self.layer_idx) if rt is not None else 0
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # the name of get_max_length before transformers 5.x.y
         return -1
 
     def reset(self) -> None:
@@ -98,6 +111,7 @@ class TieredCache(Cache):
         self.head_dim = getattr(text, "head_dim", None) or \
             text.hidden_size // text.num_attention_heads
         self.runtime: TieredKVCache | None = None
+        self.pending_layer: int | None = None  # updated, not yet attended
         super().__init__(layers=[_TieredLayer(self, i) for i in range(self.num_layers)])
 
     def _start(self, key_states: torch.Tensor) -> None:

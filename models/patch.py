@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from tierattn.config import TierConfig
-from tierattn.models.cache import CACHE_KWARG, TieredCache
+from tierattn.models.cache import CACHE_KWARG, CURRENT, TieredCache
 
 __all__ = ["ATTN_NAME", "PatchHandle", "SUPPORTED_MODEL_TYPES", "patch", "tiered_attention"]
 
@@ -54,13 +55,15 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     Returns:
         ``([B, T, H_q, D], None)``.
     """
-    cache = kwargs.get(CACHE_KWARG)
-    if not isinstance(cache, TieredCache) or cache.runtime is None:
+    cache = kwargs.get(CACHE_KWARG) or CURRENT.get()
+    if not isinstance(cache, TieredCache) or cache.runtime is None or \
+            cache.pending_layer != module.layer_idx:
         raise RuntimeError(
             "tierattn: the patched model ran attention without its TieredCache (plain forward "
             "without a cache?). Call generate(), or pass cache=TieredCache(model.config, config).")
     if attention_mask is not None:
         _left_padding(cache, attention_mask)
+    cache.pending_layer = None
     if dropout:
         raise NotImplementedError("tierattn: attention dropout is not supported (inference only).")
     out = cache.runtime.attend(module.layer_idx, query, sm_scale=scaling,
@@ -124,6 +127,9 @@ class PatchHandle:
         self._had_generate = "generate" in vars(model)
         self.cache: TieredCache | None = None
         self.active = False
+        # transformers renamed `past_key_values` to `cache` during 5.x: use the model's name
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def _apply(self) -> None:
         _register()
@@ -134,9 +140,13 @@ class PatchHandle:
         def generate(*args, **kwargs):
             if kwargs.get("num_beams", 1) != 1:
                 raise NotImplementedError("tierattn: beam search is not supported yet.")
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if self._cache_arg not in kwargs:  # accept both names on every 5.x release
+                other = "past_key_values" if self._cache_arg == "cache" else "cache"
+                if other in kwargs:
+                    kwargs[self._cache_arg] = kwargs.pop(other)
+            cache = kwargs.get(self._cache_arg)
             if cache is None:
-                cache = kwargs["cache"] = TieredCache(self.model.config, self.config)
+                cache = kwargs[self._cache_arg] = TieredCache(self.model.config, self.config)
             self.cache = cache if isinstance(cache, TieredCache) else None
             out = original(*args, **kwargs)
             self._guard()
