@@ -140,6 +140,16 @@ class PatchHandle:
         def generate(*args, **kwargs):
             if kwargs.get("num_beams", 1) != 1:
                 raise NotImplementedError("tierattn: beam search is not supported yet.")
+            for name, what in (("assistant_model", "assisted decoding"),
+                               ("prompt_lookup_num_tokens", "prompt-lookup decoding"),
+                               ("penalty_alpha", "contrastive search")):
+                if kwargs.get(name) is not None:
+                    raise NotImplementedError(
+                        f"tierattn: {what} rolls the cache back, which the tiered cache does not "
+                        "support yet; use greedy or sampling decoding.")
+            if kwargs.get("num_return_sequences", 1) != 1:
+                raise NotImplementedError("tierattn: num_return_sequences > 1 is not supported "
+                                          "yet.")
             if self._cache_arg not in kwargs:  # accept both names on every 5.x release
                 other = "past_key_values" if self._cache_arg == "cache" else "cache"
                 if other in kwargs:

@@ -186,3 +186,40 @@ def test_cache_kwarg_name_is_not_a_special_path_name():
     # names containing flash, sdpa or flex_attention trigger special paths in transformers
     assert not any(word in CACHE_KWARG or word in "tierattn"
                    for word in ("flash", "sdpa", "flex_attention"))
+
+
+def test_sampling_matches_reference_with_the_same_seed():
+    model = tiny("qwen3")
+    ids = torch.randint(3, 128, (2, 19), generator=torch.Generator().manual_seed(6))
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=True, top_k=20, temperature=0.9,
+              pad_token_id=0)
+    with torch.no_grad():
+        torch.manual_seed(11)
+        ref = model.generate(ids, **kw)
+        with tierattn.patch(model, exact_config()):
+            torch.manual_seed(11)
+            out = model.generate(ids, **kw)
+    assert torch.equal(out, ref)
+
+
+def test_chunked_prefill_through_generate():
+    """generate(prefill_chunk_size=N) feeds the prompt in chunks: each chunk attends the
+    earlier chunks' pages, some of them already demoted."""
+    model = tiny("llama")
+    ids = torch.randint(3, 128, (1, 45), generator=torch.Generator().manual_seed(7))
+    ref = generate(model, ids)
+    with tierattn.patch(model, exact_config()) as handle:
+        out = generate(model, ids, prefill_chunk_size=8)
+        assert handle.stats()["total"]["demoted_pages"] > 0
+    assert torch.equal(out.sequences, ref.sequences)
+    # a prompt longer than the pools' chunk headroom without chunking is a clear error
+    with tierattn.patch(model, exact_config(prefill_chunk_size=16)), \
+            pytest.raises(Exception, match="prefill_chunk_size"):
+        generate(model, ids)
+
+
+def test_assisted_decoding_is_refused():
+    model, assistant = tiny("llama"), tiny("llama")
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(8))
+    with tierattn.patch(model, exact_config()), pytest.raises(NotImplementedError):
+        generate(model, ids, assistant_model=assistant)
