@@ -306,6 +306,55 @@ def _plan(q, page_table, qo_indptr, page_size, block_m, pages_per_tile, validate
     return to_dev(q_items), (to_dev(kv_items) if kv_items is not None else None)
 
 
+@dataclass
+class _Prepared:
+    """Checked arguments, the host plan and the launch parameters shared by both passes."""
+
+    hq: int
+    d: int
+    scale: float
+    cap: float
+    q_items: torch.Tensor
+    kv_items: torch.Tensor | None
+    common: dict
+    tables: tuple
+    window: int
+    group: int
+
+
+def _prepare(q, kv_pool, page_table, qo_indptr, *, sm_scale, causal, sliding_window, softcap,
+             validate, block_m, block_n, first_lane, need_mass) -> _Prepared:
+    batch, hq, d, page_size, hkv, group = _check_prefill_inputs(
+        q, kv_pool, page_table, qo_indptr, sliding_window)
+    if first_lane is not None:
+        check_tensor("first_lane", first_lane, shape=(page_table.indices.numel(),),
+                     dtypes=(INDEX_DTYPE,), device=q.device)
+    scale = check_sm_scale(sm_scale, d)
+    cap = check_softcap(softcap)
+    default_n, num_warps = default_tiles(d)
+    block_n = default_n if block_n is None else block_n
+    for name, val in (("block_m", block_m), ("block_n", block_n)):
+        if not isinstance(val, int) or val < 1 or val & (val - 1):
+            raise KernelInputError(f"{name} must be a power of two, got {val!r}.")
+    if validate:
+        page_table.validate(kv_pool.shape[0], page_size)
+    p_pad = next_pow2(page_size)
+    block_m, block_n = max(block_m, 16), max(block_n, p_pad, 16)
+    q_items, kv_items = _plan(q, page_table, qo_indptr, page_size, block_m, block_n // p_pad,
+                              validate, need_mass, bool(causal))
+    common = dict(
+        CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, SOFTCAP=cap,
+        HAS_FIRST_LANE=first_lane is not None,
+        P_PAD=p_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+    )
+    tables = (qo_indptr.contiguous(), page_table.indices, page_table.row_start,
+              page_table.row_count, page_table.last_page_len,
+              first_lane.contiguous() if first_lane is not None else page_table.indices)
+    return _Prepared(hq, d, scale, cap, q_items, kv_items, common, tables, sliding_window or 0,
+                     group)
+
+
 def paged_prefill_reference(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -431,34 +480,18 @@ def paged_prefill(
         :class:`PrefillOutput` with ``out [total_q, H_q, D]`` and ``lse [total_q, H_q]`` (fp32)
         and optionally ``page_mass [nnz, H_kv]`` (fp32).
     """
-    batch, hq, d, page_size, hkv, group = _check_prefill_inputs(
-        q, kv_pool, page_table, qo_indptr, sliding_window)
-    if first_lane is not None:
-        check_tensor("first_lane", first_lane, shape=(page_table.indices.numel(),),
-                     dtypes=(INDEX_DTYPE,), device=q.device)
-    scale = check_sm_scale(sm_scale, d)
-    cap = check_softcap(softcap)
-    default_n, num_warps = default_tiles(d)
-    block_n = default_n if block_n is None else block_n
-    for name, val in (("block_m", block_m), ("block_n", block_n)):
-        if not isinstance(val, int) or val < 1 or val & (val - 1):
-            raise KernelInputError(f"{name} must be a power of two, got {val!r}.")
-    total_q = q.shape[0]
+    pre = _prepare(q, kv_pool, page_table, qo_indptr, sm_scale=sm_scale, causal=causal,
+                   sliding_window=sliding_window, softcap=softcap, validate=validate,
+                   block_m=block_m, block_n=block_n, first_lane=first_lane,
+                   need_mass=return_page_mass)
+    total_q, hq, d = q.shape[0], pre.hq, pre.d
     out = check_out("out", out, (total_q, hq, d), torch.float32, q.device)
     lse = check_out("lse", lse, (total_q, hq), torch.float32, q.device)
-    if validate:
-        page_table.validate(kv_pool.shape[0], page_size)
-    causal = bool(causal)
-    p_pad = next_pow2(page_size)
-    block_m = max(block_m, 16)
-    block_n = max(block_n, p_pad, 16)
-    q_items, kv_items = _plan(q, page_table, qo_indptr, page_size, block_m, block_n // p_pad,
-                              validate, return_page_mass, causal)
 
     if resolve_backend(backend, q, kv_pool) == "torch":
         ref = paged_prefill_reference(
-            q, kv_pool, page_table, qo_indptr, sm_scale=scale, causal=causal,
-            sliding_window=sliding_window, softcap=cap, return_page_mass=return_page_mass,
+            q, kv_pool, page_table, qo_indptr, sm_scale=pre.scale, causal=bool(causal),
+            sliding_window=sliding_window, softcap=pre.cap, return_page_mass=return_page_mass,
             first_lane=first_lane)
         out.copy_(ref.out)
         lse.copy_(ref.lse)
@@ -467,47 +500,34 @@ def paged_prefill(
 
     if q.stride(-1) != 1:
         q = q.contiguous()
-    qo_indptr = qo_indptr.contiguous()
     out_k = out if out.stride(-1) == 1 else torch.empty(total_q, hq, d, dtype=torch.float32,
                                                         device=q.device)
-    common = dict(
-        CAUSAL=causal, USE_WINDOW=sliding_window is not None, SOFTCAP=cap,
-        HAS_FIRST_LANE=first_lane is not None,
-        P_PAD=p_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
-    )
-    window = sliding_window or 0
-    tables = (qo_indptr, page_table.indices, page_table.row_start, page_table.row_count,
-              page_table.last_page_len,
-              first_lane.contiguous() if first_lane is not None else page_table.indices)
-    if q_items.shape[0] > 0:
-        _prefill_fwd_kernel[(q_items.shape[0], hq)](
-            q, kv_pool, q_items, *tables, out_k, lse,
-            kv_pool.shape[0], page_size, group, d, scale, window,
+    if pre.q_items.shape[0] > 0:
+        _prefill_fwd_kernel[(pre.q_items.shape[0], hq)](
+            q, kv_pool, pre.q_items, *pre.tables, out_k, lse,
+            kv_pool.shape[0], kv_pool.shape[2], pre.group, d, pre.scale, pre.window,
             q.stride(0), q.stride(1),
             kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
             out_k.stride(0), out_k.stride(1), lse.stride(0), lse.stride(1),
-            **common,
+            **pre.common,
         )
     if out_k.data_ptr() != out.data_ptr():
         out.copy_(out_k)
-
-    mass = _launch_mass(q, kv_pool, page_table, kv_items, tables, lse, scale, window, group,
-                        common) if return_page_mass else None
+    mass = _launch_mass(q, kv_pool, page_table, lse, pre) if return_page_mass else None
     return PrefillOutput(out, lse, mass)
 
 
-def _launch_mass(q, kv_pool, page_table, kv_items, tables, lse, scale, window, group, common):
+def _launch_mass(q, kv_pool, page_table, lse, pre: _Prepared) -> torch.Tensor:
     hkv, page_size, d = kv_pool.shape[3], kv_pool.shape[2], q.shape[2]
     mass = torch.zeros(page_table.indices.numel(), hkv, dtype=torch.float32, device=q.device)
-    if kv_items.shape[0] > 0:
-        _prefill_mass_kernel[(kv_items.shape[0], hkv)](
-            q, kv_pool, kv_items, *tables, lse, mass,
-            kv_pool.shape[0], page_size, group, d, scale, window,
+    if pre.kv_items.shape[0] > 0:
+        _prefill_mass_kernel[(pre.kv_items.shape[0], hkv)](
+            q, kv_pool, pre.kv_items, *pre.tables, lse, mass,
+            kv_pool.shape[0], page_size, pre.group, d, pre.scale, pre.window,
             q.stride(0), q.stride(1),
             kv_pool.stride(0), kv_pool.stride(2), kv_pool.stride(3),
             lse.stride(0), lse.stride(1), mass.stride(0),
-            **common,
+            **pre.common,
         )
     return mass
 
@@ -545,40 +565,16 @@ def paged_prefill_mass(
     Returns:
         ``[nnz, H_kv]`` fp32 mass aligned with ``page_table.indices``.
     """
-    batch, hq, d, page_size, hkv, group = _check_prefill_inputs(
-        q, kv_pool, page_table, qo_indptr, sliding_window)
-    if first_lane is not None:
-        check_tensor("first_lane", first_lane, shape=(page_table.indices.numel(),),
-                     dtypes=(INDEX_DTYPE,), device=q.device)
-    check_tensor("lse", lse, shape=(q.shape[0], hq), dtypes=(torch.float32,), device=q.device)
-    scale = check_sm_scale(sm_scale, d)
-    cap = check_softcap(softcap)
-    default_n, num_warps = default_tiles(d)
-    block_n = default_n if block_n is None else block_n
-    for name, val in (("block_m", block_m), ("block_n", block_n)):
-        if not isinstance(val, int) or val < 1 or val & (val - 1):
-            raise KernelInputError(f"{name} must be a power of two, got {val!r}.")
-    if validate:
-        page_table.validate(kv_pool.shape[0], page_size)
-    p_pad = next_pow2(page_size)
-    block_m, block_n = max(block_m, 16), max(block_n, p_pad, 16)
-    _, kv_items = _plan(q, page_table, qo_indptr, page_size, block_m, block_n // p_pad,
-                        validate, True, bool(causal))
+    pre = _prepare(q, kv_pool, page_table, qo_indptr, sm_scale=sm_scale, causal=causal,
+                   sliding_window=sliding_window, softcap=softcap, validate=validate,
+                   block_m=block_m, block_n=block_n, first_lane=first_lane, need_mass=True)
+    check_tensor("lse", lse, shape=(q.shape[0], pre.hq), dtypes=(torch.float32,),
+                 device=q.device)
     if resolve_backend(backend, q, kv_pool) == "torch":
         return paged_prefill_reference(
-            q, kv_pool, page_table, qo_indptr, sm_scale=scale, causal=bool(causal),
-            sliding_window=sliding_window, softcap=cap, return_page_mass=True,
+            q, kv_pool, page_table, qo_indptr, sm_scale=pre.scale, causal=bool(causal),
+            sliding_window=sliding_window, softcap=pre.cap, return_page_mass=True,
             mass_lse=lse, first_lane=first_lane).page_mass.float()
     if q.stride(-1) != 1:
         q = q.contiguous()
-    common = dict(
-        CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, SOFTCAP=cap,
-        HAS_FIRST_LANE=first_lane is not None,
-        P_PAD=p_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
-    )
-    tables = (qo_indptr.contiguous(), page_table.indices, page_table.row_start,
-              page_table.row_count, page_table.last_page_len,
-              first_lane.contiguous() if first_lane is not None else page_table.indices)
-    return _launch_mass(q, kv_pool, page_table, kv_items, tables, lse, scale,
-                        sliding_window or 0, group, common)
+    return _launch_mass(q, kv_pool, page_table, lse, pre)
