@@ -593,7 +593,9 @@ class TieredKVCache:
     def _copy_in(self, layer: int, batch: list[tuple[int, int]], buffer: int, slots: list[int],
                  *, after: object = None, wait: bool = True) -> list:
         """Copy cold pages ``(sequence, page)`` into staging ``slots``: one launch per source
-        tier; returns the tickets (already waited on when ``wait``)."""
+        tier; returns the tickets (already waited on when ``wait``). Slot lists live on the
+        compute device: on CUDA the copy kernel runs there and reads pinned host pools over
+        UVA."""
         st, tel = self.layers[layer], self.telemetry.layers[layer]
         tickets = []
         by_tier: dict[int, list[tuple[int, int, int]]] = {}
@@ -606,7 +608,7 @@ class TieredKVCache:
             dst = [sl for _, _, sl in items]
             if isinstance(tier, MemoryTier):
                 ticket = self.engine.copy(
-                    tier.pool(layer), torch.tensor(src, dtype=torch.int32, device=tier.device),
+                    tier.pool(layer), torch.tensor(src, dtype=torch.int32, device=self.device),
                     dst_pool, torch.tensor(dst, dtype=torch.int32, device=self.device),
                     after=after)
                 tickets.append(ticket)
@@ -873,7 +875,7 @@ class TieredKVCache:
             if isinstance(tier, MemoryTier):
                 ticket = self.engine.copy(
                     src_pool, torch.tensor(src, dtype=torch.int32, device=self.device),
-                    tier.pool(layer), torch.tensor(slots, dtype=torch.int32, device=tier.device))
+                    tier.pool(layer), torch.tensor(slots, dtype=torch.int32, device=self.device))
                 # the freed HBM slots are rewritten by later kernels: order them after the copy
                 self.engine.wait(ticket)
             else:
