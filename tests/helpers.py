@@ -56,9 +56,9 @@ def run_loop(cache: TieredKVCache, shadow: Shadow, *, prompt: int, steps: int, h
     sizes = [min(chunk, prompt - i) for i in range(0, prompt, chunk)] + [1] * steps
     for t in sizes:
         for layer in range(cache.num_layers):
-            k = torch.randn(b, hkv, t, d, generator=gen).to(cache.dtype)
-            v = torch.randn(b, hkv, t, d, generator=gen).to(cache.dtype)
-            q = torch.randn(b, hq, t, d, generator=gen).to(cache.dtype)
+            k = torch.randn(b, hkv, t, d, generator=gen).to(cache.device, cache.dtype)
+            v = torch.randn(b, hkv, t, d, generator=gen).to(cache.device, cache.dtype)
+            q = torch.randn(b, hq, t, d, generator=gen).to(cache.device, cache.dtype)
             cache.update(layer, k, v)
             shadow.append(layer, k, v)
             out = cache.attend(layer, q)

@@ -299,3 +299,31 @@ def test_save_and_load_round_trip(tmp_path, seed):
     path.write_bytes(bytes(data))
     with pytest.raises(KVFileError):
         make(cfg).load(path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("attend", ["all", "topk"])
+def test_cuda_engine_with_pinned_host_tiers_equals_dense(attend, seed):
+    """On a GPU: HBM pool and staging on CUDA, DDR/CXL pinned on the host and read by the copy
+    kernel over UVA on the copy stream, compiled Triton kernels."""
+    cfg = TierConfig(page_size=16, hot_budget=0.25, attend=attend, tiers=TIER_SETS["ddr+cxl"],
+                     max_context=512, prefill_chunk_size=128, backend="auto", recall_budget=64)
+    cache = TieredKVCache(cfg, num_layers=L, num_kv_heads=HKV, head_dim=64, batch_size=2,
+                          dtype=torch.bfloat16, device="cuda")
+    assert type(cache.engine).__name__ == "CUDATransferEngine"
+    assert all(t.pinned for t in cache.tiers[1:])
+    shadow = Shadow(L, 2, HKV, 64, torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+
+    def check(layer, out, q):
+        if attend == "topk":
+            return 0.0
+        err = float((out.double().cpu() - shadow.attend(layer, q.cpu())).abs().max())
+        assert err < 2e-2, err
+        return err
+    run_loop(cache, shadow, prompt=256, steps=32, hq=HQ, gen=gen, chunk=128, check=check)
+    total = cache.stats()["total"]
+    assert total["demoted_pages"] > 0 and total["h2d_bytes_total"] > 0
+    if attend == "all":
+        assert total["late_misses"] == 0
