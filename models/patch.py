@@ -33,13 +33,11 @@ __all__ = ["ATTN_NAME", "PatchHandle", "SUPPORTED_MODEL_TYPES", "patch", "tiered
 
 ATTN_NAME = "tierattn"
 
-#: model families served by this route: a spec each (data, not code); ``softcap`` names the
-#: config attribute of the attention logit softcap when the family has one.
-SUPPORTED_MODEL_TYPES: dict[str, dict] = {
-    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {}, "phi3": {},
-    "gemma": {}, "gemma2": {"softcap": "attn_logit_softcapping"}, "gemma3_text": {},
-    "olmo2": {}, "cohere2": {}, "gpt_oss": {"sinks": True},
-}
+#: model families served by this route. What differs between them (softcap, sliding windows,
+#: attention sinks) reaches the attention function through its kwargs, so a family needs no code.
+SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma2", "gemma3_text",
+    "olmo2", "cohere2", "gpt_oss"})
 
 
 def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

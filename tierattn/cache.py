@@ -73,6 +73,7 @@ class _Layer:
     selection: list[list[int]] | None = None  # topk: pages recalled at the previous step
     prefetch: _Prefetch | None = None
     length: int = 0  # tokens per sequence
+    calls: int = 0  # attend calls so far (the step index of the staging ring)
     window: int | None = None  # sliding window of this layer (HF semantics: q - k < window)
 
 
@@ -170,7 +171,6 @@ class TieredKVCache:
         self.pad = torch.zeros(b, dtype=torch.long)  # leading padding tokens per sequence
         self.layers = [self._new_layer() for _ in range(num_layers)]
         self.telemetry = Telemetry(num_layers)
-        self._calls = 0  # attend calls so far: picks the staging buffer
         self._decoding = False  # the current attend is a decode step (telemetry)
         self._fence = None  # compute work a copy into a reused staging buffer must wait for
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -374,8 +374,8 @@ class TieredKVCache:
                                            or sliding_window < 1):
             raise KernelInputError(f"sliding_window must be an int >= 1, got {sliding_window!r}.")
         st.window = sliding_window
-        buffer = self._calls % RING
-        self._calls += 1
+        buffer = ring_slot(st.calls, layer, self.num_layers)
+        st.calls += 1
         qd = q.to(self.device, self.dtype)
         n_pages = self.num_pages(layer)
         # tokens before `visible_from` are padding or outside every query's window
@@ -648,7 +648,7 @@ class TieredKVCache:
         total = sum(len(x) for x in pages)
         if total == 0 or total > self.staging_pages:
             return  # too large to stage at once: the layer streams it in batches itself
-        buffer = self._calls % RING  # the buffer the next attend call will use
+        buffer = ring_slot(st.calls, nxt, self.num_layers)  # what its next attend call uses
         slots, pos = [], 0
         for row in pages:
             slots.append(list(range(pos, pos + len(row))))

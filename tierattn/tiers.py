@@ -30,8 +30,9 @@ from tierattn.kvfile import expect, kv_file_name, read_kv_file, write_kv_file
 
 __all__ = ["DiskTier", "MemoryTier", "Tier", "available_memory", "build_tier"]
 
-#: bandwidth/latency profile per tier kind, used for modeled times (GB/s, microseconds);
-#: PCIe Gen5 x16 for host tiers as seen from the GPU, a CXL 2.0 x8 expander, an NVMe SSD.
+#: nominal bandwidth/latency per tier kind (GB/s, microseconds), not measured here: PCIe Gen5
+#: x16 for host tiers as seen from the GPU, a CXL 2.0 x8 expander, an NVMe SSD. Nothing reads
+#: it yet; modeled transfer times (the benchmark issue) start from it until a GPU run measures.
 PROFILES = {
     "hbm": {"bandwidth_gbps": 4800.0, "latency_us": 1.0},
     "ddr": {"bandwidth_gbps": 55.0, "latency_us": 5.0},
