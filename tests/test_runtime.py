@@ -94,6 +94,50 @@ def test_left_padding_is_never_attended(seed):
         cache.set_padding([1, 2])
 
 
+@pytest.mark.parametrize("name", ["evict-streaming", "evict-h2o", "offload"])
+def test_left_padded_sequence_is_budgeted_like_its_unpadded_self(name, seed):
+    # budgets count real tokens and the sink is the first real page, not padding (the reasoning
+    # eval found padding pages taken as the sink and counted in the budgets): a sequence padded
+    # by two pages ends with the same hot/live page counts as an unpadded run of its real length
+    cfg = TierConfig.preset(name, page_size=4, hot_budget=0.5, max_context=96,
+                            prefill_chunk_size=64, backend="torch")
+    if cfg.evict_budget:
+        cfg = cfg.replace(evict_budget=0.5)
+
+    def pages(pad: list[int], prompt: int) -> list[tuple[list[int], list[int]]]:
+        cache, shadow = make(cfg, batch=2), Shadow(L, 2, HKV, D, torch.float32)
+        cache.set_padding(pad)
+        run_loop(cache, shadow, prompt=prompt, steps=12, hq=HQ,
+                 gen=torch.Generator().manual_seed(seed))
+        n_pages = math.ceil(cache.length() / 4)
+        out = []
+        for layer in range(L):
+            tier = cache.layers[layer].tier[1, pad[1] // 4:n_pages]
+            out.append(((tier == 0).nonzero().flatten().tolist(),
+                        (tier >= 0).nonzero().flatten().tolist()))
+        return out
+
+    padded, unpadded = pages([0, 8], 40), pages([0, 0], 32)
+    for (hot_p, live_p), (hot_u, live_u) in zip(padded, unpadded):
+        assert 0 in hot_p  # the sink: its first real page
+        assert (len(hot_p), len(live_p)) == (len(hot_u), len(live_u))
+        if name == "evict-streaming":  # position-only policy: the very same pages
+            assert (hot_p, live_p) == (hot_u, live_u)
+
+
+def test_full_budget_keeps_every_page_of_a_misaligned_padded_sequence(seed):
+    # 6 padding tokens put 40 real tokens across 12 pages of 4, one more than 40 / 4: a budget
+    # of 1.0 must still hold them all (it dropped one before the hot budget counted lanes)
+    cfg = TierConfig(page_size=4, hot_budget=1.0, tiers=(TierSpec("hbm"),), max_context=96,
+                     prefill_chunk_size=64, backend="torch")
+    cache, shadow = make(cfg, batch=2), Shadow(L, 2, HKV, D, torch.float32)
+    cache.set_padding([0, 6])
+    run_loop(cache, shadow, prompt=46, steps=3, hq=HQ, gen=torch.Generator().manual_seed(seed))
+    for layer in range(L):
+        assert bool((cache.layers[layer].tier[:, :math.ceil(49 / 4)] >= 0).all())
+    assert cache.stats()["total"]["evicted_tokens"] == 0
+
+
 def test_disk_tier_exact_and_files_validated(tmp_path, seed):
     tiers = (TierSpec("hbm"), TierSpec("ddr", capacity_pages=4),
              TierSpec("disk", path=str(tmp_path)))

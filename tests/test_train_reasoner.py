@@ -9,7 +9,8 @@ import random
 import torch
 
 from tierattn.eval.tasks import TaskConfig, Vocab
-from tierattn.eval.train_reasoner import batch, build_model, evaluate, load_reasoner, train
+from tierattn.eval.train_reasoner import (batch, build_model, evaluate, load_reasoner,
+                                          rehearsal_batch, to_gqa, train)
 
 
 def test_short_training_run_writes_loadable_weights(tmp_path):
@@ -30,3 +31,36 @@ def test_exact_chain_metric_is_all_answer_tokens():
     model = build_model(vocab)
     cfg = TaskConfig(hops=2, chains=4, vocab=vocab)
     assert evaluate(model, cfg, 32, seed=1) < 0.5  # an untrained model gets chains wrong
+
+
+def test_rehearsal_labels_are_lookups_into_the_context():
+    vocab = Vocab()
+    ids, labels = rehearsal_batch(TaskConfig(hops=(1, 3), chains=4, distractor_hops=3,
+                                             vocab=vocab), 3, random.Random(0))
+    for row, lab in zip(ids.tolist(), labels.tolist()):
+        marked = [i for i, y in enumerate(lab) if y != -100]
+        # every edge of the (at least 8) chains is listed twice; the second listing is marked
+        assert len(marked) >= 7 * 3 + 1 and row.count(3) == 2 * len(marked)  # 3 is ';'
+        for i in marked:
+            u, v = row[i - 1], row[i]
+            assert lab[i] == v
+            # the first listing (after <bos>, edges of 3 tokens) taught u -> v
+            first = next(j for j in range(1, i - 1, 3) if row[j] == u)
+            assert row[first + 1] == v
+
+
+def test_gqa_uptraining_keeps_a_model_whose_grouped_heads_agree():
+    # mean-pooling is exact when the KV heads of a group are equal: the GQA model computes the
+    # same function as the MHA model it came from
+    vocab = Vocab()
+    mha = build_model(vocab, seed=1)
+    with torch.no_grad():
+        for layer in mha.model.layers:
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                w = proj.weight.view(4, 2, 16, -1)
+                w[:, 1] = w[:, 0]
+    gqa = to_gqa(mha, 4)
+    assert gqa.config.num_key_value_heads == 4
+    ids, _ = batch(TaskConfig(hops=2, chains=4, vocab=vocab), 2, random.Random(0))
+    with torch.no_grad():
+        assert torch.allclose(mha(input_ids=ids).logits, gqa(input_ids=ids).logits, atol=1e-5)

@@ -225,18 +225,26 @@ class TieredKVCache:
         return math.ceil(self.layers[layer].length / self.page_size)
 
     def _must_hot(self, n_pages: int, layer: int | None = None) -> torch.Tensor:
-        """``[n_pages]`` bool: sink pages, the recent window and the page being filled; on a
-        sliding-window layer, every page a future query can still see (kept contiguous and hot,
-        which keeps positions exact for the window mask)."""
-        m = torch.zeros(n_pages, dtype=torch.bool)
+        """``[B, n_pages]`` bool: per sequence, the sink pages (counted from its first page with
+        a real token, after any left padding), the recent window and the page being filled; on
+        a sliding-window layer, every page a future query can still see (kept contiguous and
+        hot, which keeps positions exact for the window mask)."""
+        m = torch.zeros(self.batch_size, n_pages, dtype=torch.bool)
         st = self.layers[layer] if layer is not None else None
         if st is not None and st.window is not None:
             keep_from = st.length - st.window + 1
-            m[(torch.arange(n_pages) + 1) * self.page_size > keep_from] = True
+            m[:, (torch.arange(n_pages) + 1) * self.page_size > keep_from] = True
             return m
-        m[: self.config.sink_pages] = True
-        m[max(0, n_pages - self.config.recent_pages - 1):] = True
+        first = self._pad_pages()
+        idx = torch.arange(n_pages)[None, :]
+        m |= (idx >= first[:, None]) & (idx < first[:, None] + self.config.sink_pages)
+        m[:, max(0, n_pages - self.config.recent_pages - 1):] = True
         return m
+
+    def _pad_pages(self) -> torch.Tensor:
+        """``[B]`` leading pages made only of left padding (never attended, never counted in
+        a budget)."""
+        return self.pad // self.page_size
 
     def set_padding(self, pad: torch.Tensor | list[int]) -> None:
         """Mark the first ``pad[b]`` tokens of sequence ``b`` as left padding: they stay stored
@@ -414,9 +422,13 @@ class TieredKVCache:
         else:
             qf = qd.permute(0, 2, 1, 3).reshape(b * t, hq, d)
             qo = torch.arange(b + 1, dtype=torch.int32, device=self.device) * t
+            # with no cold page the chunk's own softmax is the final one: its page mass is the
+            # importance, without the second pass under the merged LSE
+            hot_mass = want_mass and not any(need)
             parts.append(paged_prefill(qf, self.hbm.pool(layer), hot_table, qo, sm_scale=scale,
                                        softcap=softcap, validate=False, first_lane=hot_first,
-                                       sliding_window=st.window, backend=self.backend))
+                                       sliding_window=st.window, return_page_mass=hot_mass,
+                                       backend=self.backend))
             tel.kernel_launches += 1
         for run in self._fetch(layer, need, buffer):
             table = self._staged_table(run)
@@ -454,8 +466,10 @@ class TieredKVCache:
         elif not decode and (want_mass or want_snap):
             snap = torch.zeros(b, self.max_pages) if want_snap else None
             imp = dict(qd=qd, lse=lse, scale=scale, softcap=softcap, mass=want_mass, snap=snap)
+            if parts[0].page_mass is not None:
+                self._add_importance(hot_pages, parts[0].page_mass.sum(-1), st.mass)
             self._prefill_importance(layer, hot_table, hot_pages, self.hbm.pool(layer), True,
-                                     **imp)
+                                     **{**imp, "mass": want_mass and parts[0].page_mass is None})
             if len(staged_runs) == 1:
                 run, table = staged_runs[0]
                 self._prefill_importance(layer, table, run.pages, self.staging[run.buffer],
@@ -756,13 +770,18 @@ class TieredKVCache:
         full = torch.ones(n_pages, dtype=torch.bool)
         if not st.length % p == 0:
             full[-1] = False
+        # budgets count each sequence's real tokens and pages, not its left padding
+        pad_pages = self._pad_pages()
+        real = torch.arange(n_pages)[None, :] >= pad_pages[:, None]
+        real_tokens = st.length - self.pad
+        alive = self.alive.nonzero().flatten().tolist()
         if cfg.evict_budget != 0 and (cfg.evict_policy != "snapkv" or (decode and not
                                                                         st.pruned)):
-            target = self._evict_pages(st.length)
             rank = self._evict_rank(layer, n_pages)
-            for bi in self.alive.nonzero().flatten().tolist():
-                live = (st.tier[bi, :n_pages] != NONE) & ~must & full
-                extra = target - int(st.evicted[bi, :n_pages].sum())
+            for bi in alive:
+                live = (st.tier[bi, :n_pages] != NONE) & ~must[bi] & full & real[bi]
+                extra = self._evict_pages(int(real_tokens[bi])) - \
+                    int(st.evicted[bi, :n_pages].sum())
                 if extra <= 0 or not live.any():
                     continue
                 cand = live.nonzero().flatten()
@@ -770,40 +789,47 @@ class TieredKVCache:
                 self._drop(layer, bi, drop)
             if cfg.evict_policy == "snapkv" and decode:
                 st.pruned = True
-        hot_target = max(cfg.pages(cfg.hot_budget, n_pages, st.length), int(must.sum()))
+        # the hot budget counts the lanes from the first real page on (a first page that is
+        # partly padding is held whole), so a budget of 1.0 holds every page
+        span = st.length - pad_pages * p
+        hot_target = [max(cfg.pages(cfg.hot_budget, n_pages - int(pad_pages[bi]),
+                                    int(span[bi])), int((must[bi] & real[bi]).sum()))
+                      for bi in range(self.batch_size)]
         if len(self.tiers) == 1:  # nowhere to demote: the hot budget is the whole budget
             if cfg.evict_policy == "snapkv":
                 # SnapKV compresses the prompt once, when decoding starts, and keeps every
                 # token generated afterwards
                 if decode and not st.pruned:
-                    self._drop_over(layer, n_pages, hot_target, must)
+                    self._drop_over(layer, n_pages, hot_target, must, real)
                     st.pruned = True
                 return
-            self._drop_over(layer, n_pages, hot_target, must)
+            self._drop_over(layer, n_pages, hot_target, must, real)
             return
         over = []
         rank = None
-        for bi in self.alive.nonzero().flatten().tolist():
-            hot = st.tier[bi, :n_pages] == HOT
-            extra = int(hot.sum()) - hot_target
+        for bi in alive:
+            hot = (st.tier[bi, :n_pages] == HOT) & real[bi]
+            extra = int(hot.sum()) - hot_target[bi]
             if extra <= 0:
                 continue
             if rank is None:
                 rank = self._rank(layer, n_pages)
-            cand = (hot & ~must).nonzero().flatten()
+            cand = (hot & ~must[bi]).nonzero().flatten()
             order = torch.argsort(rank[bi, cand], stable=True)[:extra]
             over += [(bi, int(pg)) for pg in cand[order]]
         if over:
             self._demote(layer, over)
 
-    def _drop_over(self, layer: int, n_pages: int, keep: int, must: torch.Tensor) -> None:
-        """Evict the lowest-ranked pages of each sequence beyond ``keep`` live pages."""
+    def _drop_over(self, layer: int, n_pages: int, keep: list[int], must: torch.Tensor,
+                   real: torch.Tensor) -> None:
+        """Evict the lowest-ranked pages of each sequence ``b`` beyond ``keep[b]`` live real
+        pages (``must``/``real``: ``[B, n_pages]``)."""
         st = self.layers[layer]
         rank = self._evict_rank(layer, n_pages)
         for bi in self.alive.nonzero().flatten().tolist():
-            live = st.tier[bi, :n_pages] != NONE
-            extra = int(live.sum()) - keep
-            cand = (live & ~must).nonzero().flatten()
+            live = (st.tier[bi, :n_pages] != NONE) & real[bi]
+            extra = int(live.sum()) - keep[bi]
+            cand = (live & ~must[bi]).nonzero().flatten()
             if extra > 0 and len(cand):
                 drop = cand[torch.argsort(rank[bi, cand], stable=True)[:extra]].tolist()
                 self._drop(layer, bi, drop)
@@ -818,7 +844,7 @@ class TieredKVCache:
         rank = self._rank(layer, n_pages) if n_pages else None
         cands = sorted((float(rank[bi, pg]), bi, pg)
                        for bi in self.alive.nonzero().flatten().tolist()
-                       for pg in ((st.tier[bi, :n_pages] == HOT) & ~must).nonzero().flatten()
+                       for pg in ((st.tier[bi, :n_pages] == HOT) & ~must[bi]).nonzero().flatten()
                        .tolist())
         if len(self.tiers) == 1 or len(cands) < short:
             raise KVCapacityError(

