@@ -53,11 +53,7 @@ def reasoning_plots(cells: list[dict], out: str | Path) -> list[Path]:
     ax.set(xlabel="HBM ratio (fraction of the KV cache resident in HBM)",
            ylabel="exact-chain accuracy (Wilson 95%)", ylim=(-0.02, 1.02),
            title="Multi-hop pointer chasing at equal HBM budget")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    paths.append(out / "accuracy_vs_hbm.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, ax, out / "accuracy_vs_hbm.png"))
 
     grid = [c for c in cells if c["section"] == "grid"]
     if grid:
@@ -76,10 +72,7 @@ def reasoning_plots(cells: list[dict], out: str | Path) -> list[Path]:
         ax.set(xlabel="HBM ratio (rest offloaded)", ylabel="eviction ratio (H2O, dropped)",
                title="Accuracy: HBM ratio x eviction ratio")
         fig.colorbar(im, ax=ax, label="exact-chain accuracy")
-        fig.tight_layout()
-        paths.append(out / "hbm_x_evict_heatmap.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(_save(plt, fig, None, out / "hbm_x_evict_heatmap.png"))
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for method in dict.fromkeys(c["method"] for c in main):
@@ -94,9 +87,14 @@ def reasoning_plots(cells: list[dict], out: str | Path) -> list[Path]:
     ax.set(xlabel="H2D bytes per generated token (1 = none; labels: HBM ratio)",
            ylabel="exact-chain accuracy", ylim=(-0.02, 1.02),
            title="Bytes moved vs accuracy")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    paths.append(out / "bytes_vs_accuracy.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(plt, fig, ax, out / "bytes_vs_accuracy.png"))
     return paths
+
+
+def _save(plt, fig, legend_ax, path: Path) -> Path:
+    if legend_ax is not None:
+        legend_ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -123,26 +123,45 @@ class _Reference:
 
 def _decode_batched(model, items: list[Item], config, *, steps: int, forced=None, eos_id: int,
                     pad_id: int, batch_size: int, keep_fraction: float = 1.0,
-                    oracle: bool = False) -> tuple[list[list[int]], torch.Tensor | None, list]:
-    """``(traces, tf_logprobs or None, stats per batch)`` over ``items`` in batches."""
+                    oracle: bool = False) -> tuple[list[list[int]], torch.Tensor, list]:
+    """``(traces, logprobs [n, S, V], stats per batch)`` over ``items`` in batches (greedy, or
+    teacher-forced on ``forced``)."""
     traces, logprobs, stats = [], [], []
     for i in range(0, len(items), batch_size):
         chunk = items[i:i + batch_size]
         d: Decoded = decode(
             model, [it.prompt for it in chunk], config, steps=steps, eos_id=eos_id,
             pad_id=pad_id, forced=forced[i:i + batch_size] if forced is not None else None,
-            keep=[it.keep for it in chunk] if oracle else None, keep_fraction=keep_fraction,
-            seed=i)
-        if forced is None:
-            traces += [t[:trace_length(t, eos_id)] for t in d.tokens.tolist()]
-        else:
-            logprobs.append(d.logprobs)
+            keep=[it.keep for it in chunk] if oracle else None, keep_fraction=keep_fraction)
+        traces += [t[:trace_length(t, eos_id)] for t in d.tokens.tolist()]
+        logprobs.append(d.logprobs)
         stats.append((d.stats, len(chunk), d.tokens.shape[1]))
-    if forced is None:
-        return traces, None, stats
-    width = max(lp.shape[1] for lp in logprobs)
-    lp = torch.cat([torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[1])) for x in logprobs])
-    return traces, lp, stats
+    return traces, _cat_steps(logprobs), stats
+
+
+def _cat_steps(logprobs: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """Concatenate ``[b, S_i, V]`` blocks along the batch, padding the steps to ``width``."""
+    width = width or max(lp.shape[1] for lp in logprobs)
+    cut = [x[:, :width] for x in logprobs]
+    return torch.cat([torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[1])) for x in cut])
+
+
+def _teacher_forced(model, items, config, ref: _Reference, greedy: list[list[int]],
+                    greedy_lp: torch.Tensor, common: dict) -> torch.Tensor:
+    """Log-probs under teacher forcing on ``ref.forced``. Where a greedy trace already equals
+    the forced tokens, its steps saw the same inputs, so only the other items are decoded again
+    (``[n, S, V]`` like ``ref.tf``); random eviction, whose draws follow the batch rows, decodes
+    every item again."""
+    width = ref.tf.shape[1]
+    tf = _cat_steps([greedy_lp], width).clone()
+    redo = [i for i, (g, f) in enumerate(zip(greedy, ref.forced)) if g[:len(f)] != f]
+    if config.evict_budget and config.evict_policy == "random":
+        redo = list(range(len(items)))  # its draws depend on the batch row: decode the same rows
+    if redo:
+        _, lp, _ = _decode_batched(model, [items[i] for i in redo], config,
+                                   forced=[ref.forced[i] for i in redo], **common)
+        tf[redo] = _cat_steps([lp], width)
+    return tf
 
 
 def _reference(model, items, *, steps, eos_id, pad_id, batch_size) -> _Reference:
@@ -189,8 +208,8 @@ def evaluate_items(model, items: list[Item], runs: list[dict], *, steps: int, eo
         if run["config"] is None:  # the full cache itself: its rows are the reference's
             greedy, tf, stats = ref.greedy, ref.tf, []
         else:
-            greedy, _, stats = _decode_batched(model, items, run["config"], **common)
-            _, tf, _ = _decode_batched(model, items, run["config"], forced=ref.forced, **common)
+            greedy, greedy_lp, stats = _decode_batched(model, items, run["config"], **common)
+            tf = _teacher_forced(model, items, run["config"], ref, greedy, greedy_lp, common)
         ok = [bool(it.correct(g)) for it, g in zip(items, greedy)]
         k, n = sum(ok), len(ok)
         lo, hi = wilson(k, n)

@@ -123,12 +123,13 @@ def oracle_evict(cache, pad: list[int], lengths: list[int], keep: list[list[tupl
     """Drop prompt pages so that each sequence keeps ``fraction`` of its prompt: the sink page,
     the recent window, the pages overlapping ``keep`` spans, then random others up to the budget.
 
-    Every layer drops the same pages (the oracle knows the task, not the layer).
+    Every layer drops the same pages (the oracle knows the task, not the layer). The random
+    pages depend only on ``seed`` and the item, not on the batch it is decoded in.
     """
     rt = cache.runtime
     cfg, ps = rt.config, rt.page_size
-    rng = random.Random(seed)
     for b, (p, n) in enumerate(zip(pad, lengths)):
+        rng = random.Random(f"{seed}:{n}:{keep[b]}")
         first, last = p // ps, (p + n - 1) // ps
         pages = list(range(first, last + 1))
         budget = max(1, -(-int(round(fraction * n)) // ps))

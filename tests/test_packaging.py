@@ -19,8 +19,8 @@ def _readme_commands() -> list[str]:
 
 
 def test_readme_quick_start_has_two_commands_and_ci_runs_the_test_one():
-    setup_and_demo, setup_and_test = _readme_commands()[:2]
-    assert setup_and_demo.endswith("tierattn demo")
+    setup_and_main, setup_and_test = _readme_commands()[:2]
+    assert setup_and_main.endswith("tierattn eval reasoning")  # the main job: the eval
     ci = (ROOT / ".ci" / "run").read_text()
     # CI performs the README's set-up steps and then its exact test command
     steps = [s.strip() for s in setup_and_test.split("&&")]
