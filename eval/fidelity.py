@@ -152,10 +152,9 @@ def _teacher_forced(model, segs, spec, cfg):
     return decode(model, prompts, cfg, steps=spec.continuation, forced=forced)
 
 
-def _greedy_text(model, tok, prompts: list[str], cfg, steps: int) -> list[str]:
-    ids = [tok(p).input_ids for p in prompts]
+def _greedy_text(model, tok, prompts: list[list[int]], cfg, steps: int) -> list[str]:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    d = decode(model, ids, cfg, steps=steps, pad_id=pad)
+    d = decode(model, prompts, cfg, steps=steps, pad_id=pad)
     return [tok.decode(t) for t in d.tokens.tolist()], d.stats
 
 
@@ -169,10 +168,11 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
     segs = _segments(tok, spec)
     keys = [(d, rng.randrange(10_000, 100_000)) for d in spec.passkey_depths
             for _ in range(spec.passkey_trials)]
-    pk_prompts = [passkey_prompt(tok, k, d, spec.passkey_tokens) for d, k in keys]
+    pk_ids = [tok(passkey_prompt(tok, k, d, spec.passkey_tokens)).input_ids for d, k in keys]
     ptr = [pointer_prompt(rng) for _ in range(spec.pointer_items)]
-    longest = max([len(s) for s in segs] + [len(tok(p).input_ids) for p in pk_prompts] +
-                  [len(tok(p).input_ids) for p, _ in ptr]) + 32
+    ptr_ids = [tok(p).input_ids for p, _ in ptr]
+    ptr_steps = max(len(tok(a).input_ids) for _, a in ptr) + 2
+    longest = max(len(x) for x in segs + pk_ids + ptr_ids) + 32
     max_context = -(-longest // spec.page_size) * spec.page_size
 
     runs = [("full", 1.0, None)] + [
@@ -184,10 +184,9 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
     for method, budget, cfg in tqdm(runs, desc="fidelity"):
         start = time.perf_counter()
         tf = _teacher_forced(model, segs, spec, cfg)
-        pk_text, stats = _greedy_text(model, tok, pk_prompts, cfg, steps=8)
+        pk_text, stats = _greedy_text(model, tok, pk_ids, cfg, steps=8)
         pk_ok = [str(k) in t for (_, k), t in zip(keys, pk_text)]
-        ptr_text, _ = _greedy_text(model, tok, [p for p, _ in ptr], cfg,
-                                   steps=max(len(tok(a).input_ids) for _, a in ptr) + 2)
+        ptr_text, _ = _greedy_text(model, tok, ptr_ids, cfg, steps=ptr_steps)
         ptr_ok = [t.strip().startswith(a.strip()) for (_, a), t in zip(ptr, ptr_text)]
         if ref_tf is None:
             ref_tf, ref_pk, ref_ptr = tf, pk_ok, ptr_ok

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from tierattn.config import TierConfig, TierSpec
 
-__all__ = ["METHODS", "RECALL", "grid_config", "method_config"]
+__all__ = ["METHODS", "RECALL", "evict_ratio", "grid_config", "method_config"]
 
 METHODS = ("full", "offload", "topk", "evict-h2o", "evict-snapkv", "evict-streaming",
            "evict-random", "oracle")
@@ -63,6 +63,11 @@ def method_config(method: str, hbm: float, *, page_size: int = 16, max_context: 
         return TierConfig.preset("evict-h2o", evict_policy="random", hot_budget=hbm,
                                  evict_budget=1.0 - hbm, **common)
     return TierConfig.preset(method, hot_budget=hbm, evict_budget=1.0 - hbm, **common)
+
+
+def evict_ratio(method: str, hbm: float) -> float:
+    """The fraction of each sequence ``method`` drops for good at HBM ratio ``hbm``."""
+    return 0.0 if method in ("full", "offload", "topk") else round(1.0 - hbm, 6)
 
 
 def grid_config(hbm: float, evict: float, *, page_size: int = 16, max_context: int = 4096,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tierattn.eval.methods import METHODS, method_config
+from tierattn.eval.methods import METHODS, evict_ratio, method_config
 from tierattn.eval.reasoning import TABLE_COLUMNS, Item, evaluate_items
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
 
@@ -108,7 +108,7 @@ def run_qa(model_dir: str | Path, data: str | Path, *, budgets=(0.25, 0.5),
     longest = max(len(it.prompt) for it in items) + max_new_tokens + page_size
     max_context = -(-longest // page_size) * page_size
     runs = [{"method": "full", "hbm": 1.0, "evict": 0.0, "config": None}] + [
-        {"method": m, "hbm": b, "evict": 0.0 if m in ("offload", "topk") else 1.0 - b,
+        {"method": m, "hbm": b, "evict": evict_ratio(m, b),
          "config": method_config(m, b, page_size=page_size, max_context=max_context,
                                  backend=backend, seed=seed)}
         for m in methods for b in budgets]

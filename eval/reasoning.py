@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tierattn.eval.methods import METHODS, grid_config, method_config
+from tierattn.eval.methods import METHODS, evict_ratio, grid_config, method_config
 from tierattn.eval.metrics import (first_divergence, kl_summary, mcnemar, token_kl, trace_length,
                                    wilson)
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
@@ -249,12 +249,11 @@ TABLE_COLUMNS = [("section", "section", ""), ("method", "method", ""), ("hbm", "
 
 
 def _plan(spec: ReasoningSpec, max_context: int) -> dict[str, list[dict]]:
-    def run(method, hbm, evict=None):
+    def run(method, hbm):
         cfg = method_config(method, hbm, page_size=spec.page_size, max_context=max_context,
                             backend=spec.backend, seed=spec.seed) if method != "full" else None
-        if evict is None:
-            evict = 0.0 if method in ("full", "offload", "topk") else round(1.0 - hbm, 6)
-        return {"method": method, "hbm": 1.0 if method == "full" else hbm, "evict": evict,
+        return {"method": method, "hbm": 1.0 if method == "full" else hbm,
+                "evict": evict_ratio(method, hbm),
                 "config": cfg, "oracle": method == "oracle"}
 
     others = [m for m in spec.methods if m != "full"]
