@@ -165,6 +165,28 @@ def default_tiles(head_dim: int) -> tuple[int, int]:
     return (64, 4) if head_dim <= 128 else (32, 8)
 
 
+#: Triton's default software-pipelining depth on CUDA
+DEFAULT_NUM_STAGES = 3
+
+
+def fit_num_stages(stage_bytes: int, device: torch.device) -> int | None:
+    """A ``num_stages`` whose pipelined tiles (``stage_bytes`` of K/V per stage) fit the
+    device's shared memory, or None when Triton's default already fits (or off CUDA).
+
+    Triton buffers ``num_stages`` K/V tiles in shared memory; fp32 pools with wide tiles (e.g.
+    128 tokens x D=128 x 4 bytes x K and V = 128 KiB per stage) overflow even an H100/H200's
+    227 KiB at the default depth of 3 (seen on an H200: 320 KiB asked for).
+    """
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    limit = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+    stages = DEFAULT_NUM_STAGES
+    while stages > 1 and stages * stage_bytes > limit:
+        stages -= 1
+    return None if stages == DEFAULT_NUM_STAGES else stages
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` precision after the fp32 upcast: tf32 is exact for 16-bit inputs, not fp32."""
     return "ieee" if dtype == torch.float32 else "tf32"

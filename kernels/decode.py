@@ -33,6 +33,7 @@ from ._common import (
     next_pow2,
     resolve_backend,
 )
+from .autotune import check_config, resolve_config
 from .merge import _merge_kernel
 from .page_table import PageTable, check_paged_attention_args
 
@@ -210,6 +211,21 @@ def auto_num_splits(num_programs: int, avg_pages: float, page_size: int,
     return max(1, min(want, longest_useful, MAX_AUTO_SPLITS))
 
 
+def _default_config(head_dim: int) -> dict[str, int]:
+    """Launch parameters of an untuned call (Triton's own default ``num_stages``)."""
+    block_n, num_warps = default_tiles(head_dim)
+    return {"block_n": block_n, "num_warps": num_warps}
+
+
+def _key_sizes(q: torch.Tensor, kv_pool: torch.Tensor, page_table: PageTable) -> dict:
+    """Sizes of the tuned-table key (:func:`.autotune.bucket_key`), from host-known shapes."""
+    batch, hq, d = q.shape
+    page_size, hkv = kv_pool.shape[2], kv_pool.shape[3]
+    ctx = page_table.indices.numel() * page_size // max(1, page_table.num_rows)
+    return dict(d=d, group=hq // hkv, page_size=page_size, dtype=q.dtype, ctx=ctx,
+                rows=batch * hkv)
+
+
 def _check_decode_inputs(q, kv_pool, page_table):
     hq, d, page_size, group = check_paged_attention_args(q, kv_pool, page_table)
     batch, num_kv_heads = q.shape[0], kv_pool.shape[3]
@@ -306,6 +322,7 @@ def sparse_decode(
     validate: bool = True,
     block_n: int | None = None,
     first_lane: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
     backend: Backend | None = None,
 ) -> DecodeOutput:
     """Decode attention of one query token per sequence over a page list drawn from a pool.
@@ -324,9 +341,11 @@ def sparse_decode(
         validate: check every page id and length on the host (one sync on CUDA); the runtime,
             which builds its own tables, passes False. Kernels mask out-of-range ids either way.
         block_n: tokens per tile (power of two; raised to the padded page size if smaller;
-            default 64, or 32 for head dims above 128).
+            default: the tuned table's on CUDA, else 64, or 32 for head dims above 128).
         first_lane: optional ``[nnz]`` int32: the tokens of entry ``e`` before lane
             ``first_lane[e]`` are masked (left padding); 0 masks nothing.
+        config: explicit launch parameters ``block_n``, ``num_warps``, ``num_stages`` (see
+            :mod:`.autotune`); with it or ``block_n`` the tuned table is not consulted.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
 
     Returns:
@@ -343,10 +362,10 @@ def sparse_decode(
         splits = num_splits
     else:
         raise KernelInputError(f"num_splits must be 'auto' or an int >= 1, got {num_splits!r}.")
-    default_n, num_warps = default_tiles(d)
-    block_n = default_n if block_n is None else block_n
-    if not isinstance(block_n, int) or block_n < 1 or block_n & (block_n - 1):
+    if block_n is not None and (not isinstance(block_n, int) or block_n < 1
+                                or block_n & (block_n - 1)):
         raise KernelInputError(f"block_n must be a power of two, got {block_n!r}.")
+    config = check_config("decode", config)
     out = check_out("out", out, (batch, hq, d), torch.float32, q.device)
     lse = check_out("lse", lse, (batch, hq), torch.float32, q.device)
     if validate:
@@ -368,8 +387,10 @@ def sparse_decode(
 
     if q.stride(-1) != 1:
         q = q.contiguous()
+    cfg = resolve_config("decode", q.device, _default_config(d), {"block_n": block_n, **config},
+                         _key_sizes(q, kv_pool, page_table))
     p_pad = next_pow2(page_size)
-    block_n = max(block_n, p_pad, 16)
+    block_n = max(cfg["block_n"], p_pad, 16)
     if splits is None:
         avg_pages = nnz / max(1, page_table.num_rows)
         splits = auto_num_splits(batch * hkv, avg_pages, page_size, q.device)
@@ -399,7 +420,8 @@ def sparse_decode(
             HEAD_ROWS=head_rows, RETURN_MASS=return_page_mass, SOFTCAP=cap,
             HAS_FIRST_LANE=first_lane is not None,
             P_PAD=p_pad, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
-            DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+            DOT_PRECISION=dot_precision(q.dtype),
+            **{k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg},
         )
     if part_o.data_ptr() != out.data_ptr() or part_o.shape[0] != 1:
         rows = batch * hq

@@ -30,6 +30,7 @@ from ._common import (
     resolve_backend,
     triton_interpreting,
 )
+from .autotune import check_config, resolve_config
 
 __all__ = ["copy_pages", "copy_pages_reference"]
 
@@ -223,15 +224,27 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _launch(src_rows, src_slots, dst_rows, dst_slots, device, max_programs, block_bytes) -> None:
+def _default_config() -> dict[str, int]:
+    """Launch parameters of an untuned call. The interpreter runs programs one after another,
+    so there ``programs_per_sm`` is the whole grid cap (one "SM")."""
+    if triton_interpreting():
+        return {"block_bytes": BLOCK_BYTES_INTERPRETER, "programs_per_sm": INTERPRETER_PROGRAMS}
+    return {"block_bytes": BLOCK_BYTES_CUDA, "programs_per_sm": PROGRAMS_PER_SM}
+
+
+def _key_sizes(src_pool: torch.Tensor, dst_pool: torch.Tensor, src_slots: torch.Tensor) -> dict:
+    """Sizes of the tuned-table key (:func:`.autotune.bucket_key`), from host-known shapes."""
+    return dict(page_bytes=_page_numel(src_pool) * src_pool.element_size(),
+                pages=src_slots.numel(),
+                path=f"{'d' if src_pool.is_cuda else 'h'}2{'d' if dst_pool.is_cuda else 'h'}")
+
+
+def _launch(src_rows, src_slots, dst_rows, dst_slots, device, cfg) -> None:
     num_pages, page_len = src_slots.numel(), src_rows.shape[1]
-    if max_programs is None:
-        if device.type == "cuda" and not triton_interpreting():
-            max_programs = PROGRAMS_PER_SM * _num_sms(device.index or 0)
-        else:
-            max_programs = INTERPRETER_PROGRAMS
-    if block_bytes is None:
-        block_bytes = BLOCK_BYTES_INTERPRETER if triton_interpreting() else BLOCK_BYTES_CUDA
+    compiled = device.type == "cuda" and not triton_interpreting()
+    max_programs = cfg.get("max_programs") or \
+        cfg["programs_per_sm"] * (_num_sms(device.index or 0) if compiled else 1)
+    block_bytes = cfg["block_bytes"]
     width = src_rows.element_size()
     block = max(16, min(block_bytes // width, next_pow2(page_len)))
     num_work = num_pages * triton.cdiv(page_len, block)
@@ -267,6 +280,7 @@ def copy_pages(
     max_programs: int | None = None,
     block_bytes: int | None = None,
     validate: bool = True,
+    config: dict[str, int] | None = None,
     backend: Backend | None = None,
 ) -> None:
     """Copy pages between pools in one launch: ``dst_pool[dst_slots[i]] = src_pool[src_slots[i]]``.
@@ -282,14 +296,18 @@ def copy_pages(
         src_slots: ``[M]`` int32 slots of ``src_pool`` to read (repeats allowed).
         dst_pool: ``[S_dst, 2, page_size, H_kv, D]`` pool to write, same page shape and dtype.
         dst_slots: ``[M]`` int32 slots of ``dst_pool`` to write, each at most once.
-        max_programs: grid cap (default ``4 * num_SMs`` on CUDA, 4 under the interpreter); a
-            grid-stride loop covers the remaining pages.
-        block_bytes: bytes each program moves per loop step, a power of two >= 128 (default
-            8 KiB on CUDA, 64 KiB under the interpreter).
+        max_programs: grid cap (default: the tuned table's ``programs_per_sm * num_SMs`` on
+            CUDA, else ``4 * num_SMs``; 4 under the interpreter); a grid-stride loop covers the
+            remaining pages.
+        block_bytes: bytes each program moves per loop step, a power of two >= 128 (default:
+            the tuned table's on CUDA, else 8 KiB; 64 KiB under the interpreter).
         validate: check slot values on the host (one sync on CUDA): in range, no repeated
             ``dst_slots``, and, when the pools share storage, no page both read and written.
             The runtime, which builds its own slot lists, passes False; the kernel then skips
             pairs with an out-of-range slot.
+        config: explicit launch parameters ``block_bytes`` and ``programs_per_sm`` (see
+            :mod:`.autotune`); with it, ``max_programs`` or ``block_bytes`` the tuned table is
+            not consulted (an explicit ``max_programs`` beats ``programs_per_sm``).
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (indexed copies in one op).
 
     Returns:
@@ -303,6 +321,7 @@ def copy_pages(
             block_bytes, int) or block_bytes < 128 or block_bytes & (block_bytes - 1)):
         raise KernelInputError(
             f"block_bytes must be None or a power of two >= 128, got {block_bytes!r}.")
+    config = check_config("copy", config)
     which = resolve_backend(backend, src_pool, dst_pool)
     if validate:
         _check_slot_values(src_pool, src_slots, dst_pool, dst_slots)
@@ -318,4 +337,8 @@ def copy_pages(
         pages = src_rows.index_select(0, src_idx)
         dst_rows.index_copy_(0, dst_slots.long().to(dst_pool.device), pages.to(dst_pool.device))
         return
-    _launch(src_rows, src_slots, dst_rows, dst_slots, device, max_programs, block_bytes)
+    cfg = resolve_config(
+        "copy", device, _default_config(),
+        {"block_bytes": block_bytes, "max_programs": max_programs, **config},
+        _key_sizes(src_pool, dst_pool, src_slots))
+    _launch(src_rows, src_slots, dst_rows, dst_slots, device, cfg)

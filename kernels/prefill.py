@@ -30,9 +30,12 @@ from ._common import (
     check_tensor,
     default_tiles,
     dot_precision,
+    fit_num_stages,
     next_pow2,
     resolve_backend,
+    triton_interpreting,
 )
+from .autotune import check_config, resolve_config
 from .page_table import PageTable, check_paged_attention_args
 
 __all__ = ["PrefillOutput", "paged_prefill", "paged_prefill_mass", "paged_prefill_reference"]
@@ -240,6 +243,19 @@ class PrefillOutput:
     page_mass: torch.Tensor | None = None
 
 
+def _default_config(head_dim: int) -> dict[str, int]:
+    """Launch parameters of an untuned call (Triton's own default ``num_stages``)."""
+    block_n, num_warps = default_tiles(head_dim)
+    return {"block_m": 64, "block_n": block_n, "num_warps": num_warps}
+
+
+def _key_sizes(q: torch.Tensor, kv_pool: torch.Tensor, qo_indptr: torch.Tensor) -> dict:
+    """Sizes of the tuned-table key (:func:`.autotune.bucket_key`), from host-known shapes."""
+    total_q, hq, d = q.shape
+    return dict(d=d, group=hq // kv_pool.shape[3], page_size=kv_pool.shape[2], dtype=q.dtype,
+                q_len=total_q // max(1, qo_indptr.numel() - 1))
+
+
 def _check_prefill_inputs(q, kv_pool, page_table, qo_indptr, sliding_window):
     num_q_heads, head_dim, page_size, group = check_paged_attention_args(q, kv_pool, page_table)
     check_tensor("qo_indptr", qo_indptr, ndim=1, device=q.device)
@@ -323,7 +339,7 @@ class _Prepared:
 
 
 def _prepare(q, kv_pool, page_table, qo_indptr, *, sm_scale, causal, sliding_window, softcap,
-             validate, block_m, block_n, first_lane, need_mass) -> _Prepared:
+             validate, block_m, block_n, config, first_lane, need_mass) -> _Prepared:
     batch, hq, d, page_size, hkv, group = _check_prefill_inputs(
         q, kv_pool, page_table, qo_indptr, sliding_window)
     if first_lane is not None:
@@ -331,22 +347,29 @@ def _prepare(q, kv_pool, page_table, qo_indptr, *, sm_scale, causal, sliding_win
                      dtypes=(INDEX_DTYPE,), device=q.device)
     scale = check_sm_scale(sm_scale, d)
     cap = check_softcap(softcap)
-    default_n, num_warps = default_tiles(d)
-    block_n = default_n if block_n is None else block_n
     for name, val in (("block_m", block_m), ("block_n", block_n)):
-        if not isinstance(val, int) or val < 1 or val & (val - 1):
+        if val is not None and (not isinstance(val, int) or val < 1 or val & (val - 1)):
             raise KernelInputError(f"{name} must be a power of two, got {val!r}.")
+    cfg = resolve_config(
+        "prefill", q.device, _default_config(d),
+        {"block_m": block_m, "block_n": block_n, **check_config("prefill", config)},
+        _key_sizes(q, kv_pool, qo_indptr))
     if validate:
         page_table.validate(kv_pool.shape[0], page_size)
     p_pad = next_pow2(page_size)
-    block_m, block_n = max(block_m, 16), max(block_n, p_pad, 16)
+    block_m, block_n = max(cfg["block_m"], 16), max(cfg["block_n"], p_pad, 16)
     q_items, kv_items = _plan(q, page_table, qo_indptr, page_size, block_m, block_n // p_pad,
                               validate, need_mass, bool(causal))
+    stages = {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
+    if "num_stages" not in stages and not triton_interpreting():
+        fit = fit_num_stages(2 * block_n * next_pow2(d) * kv_pool.element_size(), q.device)
+        if fit is not None:
+            stages["num_stages"] = fit
     common = dict(
         CAUSAL=bool(causal), USE_WINDOW=sliding_window is not None, SOFTCAP=cap,
         HAS_FIRST_LANE=first_lane is not None,
         P_PAD=p_pad, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps,
+        DOT_PRECISION=dot_precision(q.dtype), **stages,
     )
     tables = (qo_indptr.contiguous(), page_table.indices, page_table.row_start,
               page_table.row_count, page_table.last_page_len,
@@ -442,9 +465,10 @@ def paged_prefill(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     validate: bool = True,
-    block_m: int = 64,
+    block_m: int | None = None,
     block_n: int | None = None,
     first_lane: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
     backend: Backend | None = None,
 ) -> PrefillOutput:
     """Attention of prompt chunks (ragged batch) over their sequences' paged KV.
@@ -469,11 +493,15 @@ def paged_prefill(
         out: optional ``[total_q, H_q, D]`` fp32 output buffer.
         lse: optional ``[total_q, H_q]`` fp32 LSE buffer.
         validate: check every page id and length (``q_len <= kv_len``) on the host.
-        block_m: query rows per program (power of two, at least 16).
+        block_m: query rows per program (power of two, raised to 16 if smaller; default: the
+            tuned table's on CUDA, else 64).
         block_n: tokens per KV tile (power of two; raised to the padded page size if smaller;
-            default 64, or 32 for head dims above 128).
+            default: the tuned table's on CUDA, else 64, or 32 for head dims above 128).
         first_lane: optional ``[nnz]`` int32: the tokens of entry ``e`` before lane
             ``first_lane[e]`` are masked (left padding); 0 masks nothing.
+        config: explicit launch parameters ``block_m``, ``block_n``, ``num_warps``,
+            ``num_stages`` (see :mod:`.autotune`); with it, ``block_m`` or ``block_n`` the
+            tuned table is not consulted.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
 
     Returns:
@@ -482,7 +510,7 @@ def paged_prefill(
     """
     pre = _prepare(q, kv_pool, page_table, qo_indptr, sm_scale=sm_scale, causal=causal,
                    sliding_window=sliding_window, softcap=softcap, validate=validate,
-                   block_m=block_m, block_n=block_n, first_lane=first_lane,
+                   block_m=block_m, block_n=block_n, config=config, first_lane=first_lane,
                    need_mass=return_page_mass)
     total_q, hq, d = q.shape[0], pre.hq, pre.d
     out = check_out("out", out, (total_q, hq, d), torch.float32, q.device)
@@ -544,9 +572,10 @@ def paged_prefill_mass(
     sliding_window: int | None = None,
     softcap: float | None = None,
     validate: bool = True,
-    block_m: int = 64,
+    block_m: int | None = None,
     block_n: int | None = None,
     first_lane: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
     """Page mass of a chunk normalised by a given LSE (pass 2 of :func:`paged_prefill` alone).
@@ -560,14 +589,15 @@ def paged_prefill_mass(
         q, kv_pool, page_table, qo_indptr, sm_scale, causal, sliding_window, softcap: as in
             :func:`paged_prefill` for this page set.
         lse: ``[total_q, H_q]`` fp32 LSE to normalise by (``-inf`` rows contribute nothing).
-        first_lane: as in :func:`paged_prefill`.
+        first_lane, block_m, block_n, config: as in :func:`paged_prefill`.
 
     Returns:
         ``[nnz, H_kv]`` fp32 mass aligned with ``page_table.indices``.
     """
     pre = _prepare(q, kv_pool, page_table, qo_indptr, sm_scale=sm_scale, causal=causal,
                    sliding_window=sliding_window, softcap=softcap, validate=validate,
-                   block_m=block_m, block_n=block_n, first_lane=first_lane, need_mass=True)
+                   block_m=block_m, block_n=block_n, config=config, first_lane=first_lane,
+                   need_mass=True)
     check_tensor("lse", lse, shape=(q.shape[0], pre.hq), dtypes=(torch.float32,),
                  device=q.device)
     if resolve_backend(backend, q, kv_pool) == "torch":

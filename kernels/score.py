@@ -34,6 +34,7 @@ from ._common import (
     next_pow2,
     resolve_backend,
 )
+from .autotune import check_config, resolve_config
 from .page_table import PageTable
 
 __all__ = ["quest_score", "quest_score_reference", "auto_score_splits", "GROUP_REDUCES"]
@@ -105,6 +106,20 @@ def _quest_score_kernel(
         b_score = tl.where(m_id, b_score, float("-inf"))
         p_out = out_ptr + (row_start + e0 + o_e) * stride_out_e + i_h * stride_out_h
         tl.store(p_out, b_score, mask=m_e)
+
+
+def _default_config(group: int, head_dim: int) -> dict[str, int]:
+    """Launch parameters of an untuned call: a ``[G, BLOCK_E, D]`` tile of ~TILE_ELEMENTS."""
+    tile = next_pow2(group) * next_pow2(head_dim)
+    return {"block_e": max(2, min(MAX_BLOCK_E, TILE_ELEMENTS // tile))}
+
+
+def _key_sizes(q: torch.Tensor, kmin: torch.Tensor, page_table: PageTable) -> dict:
+    """Sizes of the tuned-table key (:func:`.autotune.bucket_key`), from host-known shapes."""
+    batch, hq, d = q.shape
+    hkv = kmin.shape[1]
+    return dict(d=d, group=hq // hkv, dtype=q.dtype,
+                entries=page_table.indices.numel() // max(1, batch), rows=batch * hkv)
 
 
 def auto_score_splits(batch: int, num_kv_heads: int, nnz: int, device: torch.device) -> int:
@@ -195,6 +210,7 @@ def quest_score(
     num_splits: int | str = "auto",
     out: torch.Tensor | None = None,
     validate: bool = True,
+    config: dict[str, int] | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
     """Quest upper bound of ``q . k`` per (sequence, page, KV head), from page metadata.
@@ -222,6 +238,9 @@ def quest_score(
         validate: check that every row's entries lie inside ``indices`` and every listed id is
             in ``0..num_meta-1`` (one host sync on CUDA). With False, out-of-range ids read
             nothing and score ``-inf``.
+        config: explicit launch parameters ``block_e`` (metadata rows per tile) and
+            ``num_warps`` (see :mod:`.autotune`); without it, CUDA launches use the tuned table
+            and fall back to ``BLOCK_E`` from ``TILE_ELEMENTS``.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (the reference, in fp32).
 
     Returns:
@@ -236,6 +255,7 @@ def quest_score(
         splits = num_splits
     else:
         raise KernelInputError(f"num_splits must be 'auto' or an int >= 1, got {num_splits!r}.")
+    config = check_config("score", config)
     nnz = page_table.indices.numel()
     out = check_out("out", out, (nnz, hkv), torch.float32, q.device)
     if validate:
@@ -256,8 +276,8 @@ def quest_score(
     out.fill_(float("-inf"))
     if splits is None:
         splits = auto_score_splits(batch, hkv, nnz, q.device)
-    block_g, block_d = next_pow2(group), next_pow2(d)
-    block_e = max(2, min(MAX_BLOCK_E, TILE_ELEMENTS // (block_g * block_d)))
+    cfg = resolve_config("score", q.device, _default_config(group, d), config,
+                         _key_sizes(q, kmin, page_table))
     if batch > 0 and hkv > 0 and nnz > 0:
         _quest_score_kernel[(batch, hkv, splits)](
             q, kmin, kmax, page_table.indices, page_table.row_start, page_table.row_count, out,
@@ -266,6 +286,7 @@ def quest_score(
             kmin.stride(0), kmin.stride(1), kmin.stride(2),
             kmax.stride(0), kmax.stride(1), kmax.stride(2),
             out.stride(0), out.stride(1),
-            GROUP_SUM=group_reduce == "sum", BLOCK_E=block_e, BLOCK_G=block_g, BLOCK_D=block_d,
+            GROUP_SUM=group_reduce == "sum", BLOCK_E=cfg["block_e"], BLOCK_G=next_pow2(group),
+            BLOCK_D=next_pow2(d), **({"num_warps": cfg["num_warps"]} if "num_warps" in cfg else {}),
         )
     return out

@@ -417,15 +417,15 @@ def test_int64_addresses_past_2_31_elements(figures):
 
 # --- bad inputs ----------------------------------------------------------------------------------
 
-def _pools():
+def _pools(device="cpu"):
     gen = torch.Generator().manual_seed(1)
-    src, _ = make_pool(6, (2, 8, 2, 40), torch.float16, "cpu", PLAIN, gen)
-    dst, _ = make_pool(5, (2, 8, 2, 40), torch.float16, "cpu", PLAIN, gen)
+    src, _ = make_pool(6, (2, 8, 2, 40), torch.float16, device, PLAIN, gen)
+    dst, _ = make_pool(5, (2, 8, 2, 40), torch.float16, device, PLAIN, gen)
     return src, dst
 
 
-def _i32(*v):
-    return torch.tensor(v, dtype=torch.int32)
+def _i32(*v, device="cpu"):
+    return torch.tensor(v, dtype=torch.int32, device=device)
 
 
 def _bad_cases():
@@ -490,10 +490,11 @@ def test_bad_inputs(name, call, exc, match, figures):
     figures.bad_input("copy")
 
 
-def test_refused_call_writes_nothing():
-    src, dst = _pools()
+def test_refused_call_writes_nothing(device):
+    src, dst = _pools(device)
     before = dst.clone()
     for ss, ds in ((_i32(0, 9), _i32(1, 2)), (_i32(0, 1), _i32(3, 3)), (_i32(0, 1), _i32(2, -1))):
+        ss, ds = ss.to(device), ds.to(device)
         with pytest.raises(KernelInputError):
             copy_pages(src, ss, dst, ds, backend="triton")
         with pytest.raises(KernelInputError):

@@ -149,8 +149,11 @@ def test_splits_agree(splits, device, figures):
     c = check_rule(res.out, ref.out, lowp.out, q.dtype)
     figures.case("decode", c)
     assert c.ok, c
-    # split-K only reorders fp32 sums: results agree far below the bf16 rule
-    torch.testing.assert_close(res.out, base.out, atol=2e-6, rtol=0)
+    # split-K only reorders fp32 sums: results agree far below the bf16 rule. On a GPU the
+    # P.V dot runs in tf32, which rounds the fp32 probabilities to 10 mantissa bits, so the
+    # splits' partial sums differ by ~1e-4 there (measured on an H200: 2.3e-4 at most)
+    atol = 2e-6 if device.type == "cpu" else 1e-3
+    torch.testing.assert_close(res.out, base.out, atol=atol, rtol=0)
     torch.testing.assert_close(res.page_mass, base.page_mass, atol=2e-6, rtol=0)
 
 
@@ -159,7 +162,7 @@ def test_page_mass_sums_to_group(device, figures):
     res = run_and_check(q, pool, pt, figures, num_splits=3)
     per_row = torch.stack([res.page_mass[s:s + c].sum(0) for s, c in
                            zip(pt.row_start.tolist(), pt.row_count.tolist())])
-    want = torch.tensor([[4.0] * 3, [0.0] * 3, [4.0] * 3])
+    want = torch.tensor([[4.0] * 3, [0.0] * 3, [4.0] * 3], device=device)
     torch.testing.assert_close(per_row, want, atol=1e-5, rtol=0)
 
 
@@ -201,7 +204,8 @@ def test_first_tile_fully_masked_gives_no_nan(device, figures):
     bad[:8] = 10**6
     masked = PageTable(bad, pt.row_start, pt.row_count, pt.last_page_len)
     res = sparse_decode(q, pool, masked, validate=False, block_n=64)
-    keep = PageTable.from_csr(torch.tensor([0, pt.indices.numel() - 8], dtype=torch.int32),
+    keep = PageTable.from_csr(torch.tensor([0, pt.indices.numel() - 8], dtype=torch.int32,
+                                           device=device),
                               pt.indices[8:].contiguous(), pt.last_page_len)
     ref = sparse_decode(q, pool, keep)
     exact = bool(not torch.isnan(res.out).any() and torch.equal(res.out, ref.out))

@@ -412,7 +412,8 @@ def _bad(name, mutate, match, exc=KernelInputError):
 
 
 def _with_lens(qo_vals):
-    return lambda a: a.update(qo_indptr=torch.tensor(qo_vals, dtype=torch.int32))
+    return lambda a: a.update(qo_indptr=torch.tensor(qo_vals, dtype=torch.int32,
+                                                     device=a["qo_indptr"].device))
 
 
 BAD = [

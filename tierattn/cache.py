@@ -93,6 +93,28 @@ class _Staged:
     pages: list[list[int]] = field(default_factory=list)
     slots: list[list[int]] = field(default_factory=list)
 
+    def entries(self) -> _Entries:
+        return _Entries.from_lists(self.pages)
+
+
+@dataclass
+class _Entries:
+    """The logical pages of a page table's entries, in table order (sequence by sequence, page
+    by page), as two ``[nnz]`` long CPU tensors: vectorised bookkeeping instead of Python
+    lists per sequence (the host cost of a decode step)."""
+
+    rows: torch.Tensor  # sequence of each entry
+    cols: torch.Tensor  # logical page of each entry
+
+    def __len__(self) -> int:
+        return self.cols.numel()
+
+    @classmethod
+    def from_lists(cls, pages: list[list[int]]) -> _Entries:
+        counts = torch.tensor([len(x) for x in pages], dtype=torch.long)
+        return cls(torch.repeat_interleave(torch.arange(len(pages)), counts),
+                   torch.tensor([pg for x in pages for pg in x], dtype=torch.long))
+
 
 class TieredKVCache:
     """KV cache of ``num_layers`` layers over a hierarchy of tiers (see module docstring).
@@ -169,6 +191,10 @@ class TieredKVCache:
         self.kmax = torch.zeros_like(self.kmin)
         self.alive = torch.ones(b, dtype=torch.bool)
         self.pad = torch.zeros(b, dtype=torch.long)  # leading padding tokens per sequence
+        # logical page numbers and page ends, built once (sliced per call instead of rebuilt)
+        self._page_idx = torch.arange(mp)
+        self._seq_idx = torch.arange(b)
+        self._page_ends = (self._page_idx + 1) * p
         self.layers = [self._new_layer() for _ in range(num_layers)]
         self.telemetry = Telemetry(num_layers)
         self._decoding = False  # the current attend is a decode step (telemetry)
@@ -233,10 +259,10 @@ class TieredKVCache:
         st = self.layers[layer] if layer is not None else None
         if st is not None and st.window is not None:
             keep_from = st.length - st.window + 1
-            m[:, (torch.arange(n_pages) + 1) * self.page_size > keep_from] = True
+            m[:, self._page_ends[:n_pages] > keep_from] = True
             return m
         first = self._pad_pages()
-        idx = torch.arange(n_pages)[None, :]
+        idx = self._page_idx[None, :n_pages]
         m |= (idx >= first[:, None]) & (idx < first[:, None] + self.config.sink_pages)
         m[:, max(0, n_pages - self.config.recent_pages - 1):] = True
         return m
@@ -260,10 +286,9 @@ class TieredKVCache:
         """``[B, n_pages]``: live sequences' pages holding a token at or after ``start[b]``
         (default: the end of the left padding)."""
         start = self.pad if start is None else start
-        ends = (torch.arange(n_pages) + 1) * self.page_size
-        return self.alive[:, None] & (ends[None, :] > start[:, None])
+        return self.alive[:, None] & (self._page_ends[None, :n_pages] > start[:, None])
 
-    def _first_lane(self, pages: list[list[int]],
+    def _first_lane(self, entries: _Entries,
                     start: torch.Tensor | None = None) -> torch.Tensor | None:
         """Per table entry, the first lane at or after ``start[b]`` (default: the end of the
         padding); None when nothing is masked."""
@@ -271,9 +296,8 @@ class TieredKVCache:
         if not bool((start > 0).any()):
             return None
         p = self.page_size
-        first = [min(max(int(start[bi]) - pg * p, 0), p) for bi, row in enumerate(pages)
-                 for pg in row]
-        return torch.tensor(first, dtype=torch.int32, device=self.device)
+        first = (start[entries.rows] - entries.cols * p).clamp(0, p)
+        return first.to(torch.int32).to(self.device)
 
     # --- append ------------------------------------------------------------------------------
 
@@ -304,25 +328,41 @@ class TieredKVCache:
         if self.hbm.num_free(layer) < new * len(alive):
             self._make_room(layer, new * len(alive))
         slots = self.hbm.alloc(layer, new * len(alive))  # raises before any state changes
-        for i, bi in enumerate(alive):
-            st.slot[bi, first_new:end] = torch.tensor(slots[i * new:(i + 1) * new],
-                                                      dtype=torch.int32)
-            st.tier[bi, first_new:end] = HOT
+        if new:  # most decode steps fill the current page: no new page, no table change
+            rows_new = torch.tensor(alive, dtype=torch.long)[:, None]
+            st.slot[rows_new, torch.arange(first_new, end)] = torch.tensor(
+                slots, dtype=torch.int32).view(len(alive), new)
+            st.tier[rows_new, torch.arange(first_new, end)] = HOT
         # scatter the tokens into their pages: one indexed write per layer
-        pos = torch.arange(n0, n1)
-        rows = torch.tensor(alive, dtype=torch.long)
-        page_slot = st.slot[rows][:, pos // p].long().to(self.device)  # [b_alive, T]
-        off = (pos % p).to(self.device)
+        every = len(alive) == b  # no freed sequence: skip selecting rows
         pool = self.hbm.pool(layer)
-        kk = k[rows.to(k.device)].permute(0, 2, 1, 3).to(self.device, self.dtype)  # [b, T, H, D]
-        vv = v[rows.to(v.device)].permute(0, 2, 1, 3).to(self.device, self.dtype)
-        pool[page_slot, 0, off[None, :].expand_as(page_slot)] = kk
-        pool[page_slot, 1, off[None, :].expand_as(page_slot)] = vv
-        # Quest metadata of every touched page (the partly filled last page included)
-        touched = torch.arange(n0 // p, end)
-        meta_slots = st.slot[rows][:, touched].flatten()
-        lens = (torch.clamp(n1 - touched * p, max=p)).repeat(len(alive)).to(torch.int32)
-        meta_rows = (rows[:, None] * self.max_pages + touched[None, :]).flatten()
+        if t == 1 and every:
+            # a decode step: one token per sequence, all into page n0 // p at lane n0 % p (the
+            # general path below with T = 1, in a third of the small host-side ops)
+            pg = n0 // p
+            meta_slots = st.slot[:, pg].contiguous()  # kernels read dense int32 arrays
+            page_slot = meta_slots.long().to(self.device)
+            pool[page_slot, 0, n0 % p] = k[:, :, 0].to(self.device, self.dtype)
+            pool[page_slot, 1, n0 % p] = v[:, :, 0].to(self.device, self.dtype)
+            lens = torch.full((b,), min(n1 - pg * p, p), dtype=torch.int32)
+            meta_rows = self._seq_idx * self.max_pages + pg
+        else:
+            rows = torch.tensor(alive, dtype=torch.long)
+            slot_rows = st.slot if every else st.slot[rows]
+            pos = torch.arange(n0, n1)
+            page_slot = slot_rows[:, pos // p].long().to(self.device)  # [b_alive, T]
+            off = (pos % p).to(self.device)
+            if not every:
+                k, v = k[rows.to(k.device)], v[rows.to(v.device)]
+            kk = k.permute(0, 2, 1, 3).to(self.device, self.dtype)  # [b, T, H, D]
+            vv = v.permute(0, 2, 1, 3).to(self.device, self.dtype)
+            pool[page_slot, 0, off[None, :].expand_as(page_slot)] = kk
+            pool[page_slot, 1, off[None, :].expand_as(page_slot)] = vv
+            # Quest metadata of every touched page (the partly filled last page included)
+            touched = self._page_idx[n0 // p:end]
+            meta_slots = slot_rows[:, touched].flatten()
+            lens = (torch.clamp(n1 - touched * p, max=p)).repeat(len(alive)).to(torch.int32)
+            meta_rows = (rows[:, None] * self.max_pages + touched[None, :]).flatten()
         if meta_slots.numel():
             page_metadata(pool, meta_slots.to(self.device), lens.to(self.device),
                           kmin=self.kmin[layer], kmax=self.kmax[layer],
@@ -401,7 +441,7 @@ class TieredKVCache:
             need = self._select_topk(layer, qd[:, :, 0], cold)
             st.selection = need
         else:
-            need = [c.nonzero().flatten().tolist() for c in cold]
+            need = self._page_lists(cold)
 
         hot_table, hot_pages = self._hot_table(layer, n_pages, attendable)
         # decode masks the window token by token; prefill lets the kernel apply it
@@ -433,7 +473,7 @@ class TieredKVCache:
         for run in self._fetch(layer, need, buffer):
             table = self._staged_table(run)
             pool = self.staging[run.buffer]
-            first = self._first_lane(run.pages, lane_from)
+            first = self._first_lane(run.entries(), lane_from)
             if decode:
                 parts.append(sparse_decode(q1, pool, table, sm_scale=scale, softcap=softcap,
                                            return_page_mass=want_mass, validate=False,
@@ -459,7 +499,7 @@ class TieredKVCache:
         want_snap = not decode and cfg.evict_budget != 0 and cfg.evict_policy == "snapkv"
         if decode and want_mass:
             for part, (run, table) in zip(parts, [(None, hot_table)] + staged_runs):
-                pages = hot_pages if run is None else run.pages
+                pages = hot_pages if run is None else run.entries()
                 mass = decode_page_mass(part.page_lse, lse, table, self.num_kv_heads,
                                         backend=self.backend)
                 self._add_importance(pages, mass.sum(-1), st.mass)
@@ -472,11 +512,11 @@ class TieredKVCache:
                                      **{**imp, "mass": want_mass and parts[0].page_mass is None})
             if len(staged_runs) == 1:
                 run, table = staged_runs[0]
-                self._prefill_importance(layer, table, run.pages, self.staging[run.buffer],
+                self._prefill_importance(layer, table, run.entries(), self.staging[run.buffer],
                                          False, **imp)
             elif staged_runs:  # batches reused the buffer: stream the cold pages once more
                 for run in self._fetch(layer, need, buffer):
-                    self._prefill_importance(layer, self._staged_table(run), run.pages,
+                    self._prefill_importance(layer, self._staged_table(run), run.entries(),
                                              self.staging[run.buffer], False, **imp)
                     self._fence = self.engine.fence()
             if want_snap:
@@ -491,28 +531,54 @@ class TieredKVCache:
         tel.host_time_s += time.perf_counter() - t0
         return res.to(q.dtype)
 
+    @staticmethod
+    def _page_lists(mask: torch.Tensor) -> list[list[int]]:
+        """Per sequence, the pages set in ``mask [B, n_pages]`` (one nonzero for the batch)."""
+        if mask.shape[0] == 1:
+            return [mask[0].nonzero().flatten().tolist()]
+        nz = mask.nonzero()
+        counts = mask.sum(1).tolist()
+        cols = nz[:, 1].tolist()
+        out, pos = [], 0
+        for c in counts:
+            out.append(cols[pos:pos + c])
+            pos += c
+        return out
+
+    def _table(self, counts: list[int], idx: torch.Tensor, last: int) -> PageTable:
+        """A CSR :class:`PageTable` from per-row entry ``counts``, the slots ``idx`` (int32)
+        and the length of every non-empty row's last page, built on the host in two ops and
+        moved to the device in one copy (three small synchronous copies per table would cost
+        more than the table)."""
+        b = len(counts)
+        w = -(-b // 4) * 4  # segments start 16-byte aligned (kernels specialise on alignment)
+        starts, pos = [], 0
+        for c in counts:
+            starts.append(pos)
+            pos += c
+        gap = [0] * (w - b)
+        header = torch.tensor(starts + gap + counts + gap + [last if c else 0 for c in counts]
+                              + gap, dtype=torch.int32)
+        host = torch.cat([header, idx])
+        dev = host if self.device.type == "cpu" else host.to(self.device)
+        return PageTable(indices=dev[3 * w:], row_start=dev[:b], row_count=dev[w:w + b],
+                         last_page_len=dev[2 * w:2 * w + b])
+
     def _hot_table(self, layer: int, n_pages: int,
-                   attendable: torch.Tensor) -> tuple[PageTable, list[list[int]]]:
+                   attendable: torch.Tensor) -> tuple[PageTable, _Entries]:
         """Hot pages of each sequence in logical order (a compact row: the recent tail is
         contiguous and hot, so positions inside the tail stay exact for causal masking)."""
         st, p = self.layers[layer], self.page_size
         hot = (st.tier[:, :n_pages] == HOT) & attendable
-        pages = [h.nonzero().flatten().tolist() for h in hot]
-        counts = [len(x) for x in pages]
+        nz = hot.nonzero()  # row-major: sequence by sequence, page by page
+        counts = hot.sum(1).tolist()
         last = st.length - (n_pages - 1) * p if n_pages else 0
-        indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
         idx = st.slot[:, :n_pages][hot]
-        lasts = torch.tensor([last if c else 0 for c in counts], dtype=torch.int32)
-        dev = self.device
-        return PageTable.from_csr(indptr.to(dev), idx.to(dev), lasts.to(dev)), pages
+        return self._table(counts, idx, last), _Entries(nz[:, 0], nz[:, 1])
 
     def _staged_table(self, run: _Staged) -> PageTable:
-        counts = [len(x) for x in run.slots]
-        indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
         idx = torch.tensor([s for row in run.slots for s in row], dtype=torch.int32)
-        lasts = torch.tensor([self.page_size if c else 0 for c in counts], dtype=torch.int32)
-        dev = self.device
-        return PageTable.from_csr(indptr.to(dev), idx.to(dev), lasts.to(dev))
+        return self._table([len(x) for x in run.slots], idx, self.page_size)
 
     def _select_topk(self, layer: int, q: torch.Tensor, cold: torch.Tensor) -> list[list[int]]:
         """Per sequence, the ``recall_budget`` cold pages with the highest Quest bound."""
@@ -569,14 +635,16 @@ class TieredKVCache:
         else:
             first.pages = [[] for _ in need]
             first.slots = [[] for _ in need]
-        missing = [[pg for pg in need[bi] if pg not in set(first.pages[bi])]
-                   for bi in range(len(need))]
+        staged = [set(x) for x in first.pages]  # one set per sequence, not one per page
+        missing = [[pg for pg in need[bi] if pg not in staged[bi]] for bi in range(len(need))]
         n_missing = sum(len(x) for x in missing)
         if pre is not None:
             tel.late_misses += n_missing
-        free = [s for s in range(self.staging_pages) if s not in used]
         run = first
         todo = [(bi, pg) for bi in range(len(missing)) for pg in missing[bi]]
+        # the staging slots the prefetch left free (only listed when something is missing)
+        free = ([s for s in range(self.staging_pages) if s not in used] if used else
+                list(range(self.staging_pages))) if todo else []
         while todo:
             if not free:  # buffer full: attend what is staged, then reuse the buffer
                 yield run
@@ -612,14 +680,18 @@ class TieredKVCache:
         UVA."""
         st, tel = self.layers[layer], self.telemetry.layers[layer]
         tickets = []
-        by_tier: dict[int, list[tuple[int, int, int]]] = {}
-        for (bi, pg), sl in zip(batch, slots):
-            by_tier.setdefault(int(st.tier[bi, pg]), []).append((bi, pg, sl))
+        # tier and slot of every page in two gathers, not two tensor reads per page
+        bis = torch.tensor([bi for bi, _ in batch], dtype=torch.long)
+        pgs = torch.tensor([pg for _, pg in batch], dtype=torch.long)
+        src_tier, src_slot = st.tier[bis, pgs].tolist(), st.slot[bis, pgs].tolist()
+        by_tier: dict[int, list[tuple[int, int, int, int]]] = {}
+        for (bi, pg), sl, ti, ss in zip(batch, slots, src_tier, src_slot):
+            by_tier.setdefault(ti, []).append((bi, pg, sl, ss))
         dst_pool = self.staging[buffer]
         for ti, items in sorted(by_tier.items()):
             tier = self.tiers[ti]
-            src = [int(st.slot[bi, pg]) for bi, pg, _ in items]
-            dst = [sl for _, _, sl in items]
+            src = [ss for _, _, _, ss in items]
+            dst = [sl for _, _, sl, _ in items]
             if isinstance(tier, MemoryTier):
                 ticket = self.engine.copy(
                     tier.pool(layer), torch.tensor(src, dtype=torch.int32, device=self.device),
@@ -631,7 +703,7 @@ class TieredKVCache:
                 if wait:
                     self.engine.wait(ticket)
             else:  # disk: validated reads, then one indexed host->device copy
-                pages = tier.read(layer, src, [pg * self.page_size for _, pg, _ in items])
+                pages = tier.read(layer, src, [pg * self.page_size for _, pg, _, _ in items])
                 dst_pool[torch.tensor(dst, dtype=torch.long, device=self.device)] = \
                     pages.to(self.device)
                 tel.copy_launches += 1
@@ -653,7 +725,7 @@ class TieredKVCache:
         n_pages = self.num_pages(nxt)
         cold = (st.tier[:, :n_pages] > HOT) & self._attendable(n_pages)
         if cfg.attend == "all":
-            pages = [c.nonzero().flatten().tolist() for c in cold]
+            pages = self._page_lists(cold)
         elif cfg.prefetch == "speculative":
             pages = self._select_topk(nxt, q, cold)
         else:
@@ -676,24 +748,22 @@ class TieredKVCache:
     # --- importance and policy ---------------------------------------------------------------
 
     @staticmethod
-    def _add_importance(layer_pages: list[list[int]], values: torch.Tensor,
+    def _add_importance(entries: _Entries, values: torch.Tensor,
                         into: torch.Tensor, accumulate: bool = True) -> None:
-        """Scatter per-entry ``values`` (aligned with the table built from ``layer_pages``:
-        sequence by sequence, page by page) into ``into [B, max_pages]``."""
-        if not any(layer_pages):
+        """Scatter per-entry ``values`` (aligned with the table ``entries`` describe: sequence
+        by sequence, page by page) into ``into [B, max_pages]``."""
+        if not len(entries):
             return
-        rows = torch.cat([torch.full((len(x),), bi, dtype=torch.long)
-                          for bi, x in enumerate(layer_pages)])
-        cols = torch.tensor([pg for x in layer_pages for pg in x], dtype=torch.long)
-        into.index_put_((rows, cols), values.float().cpu()[:len(cols)], accumulate=accumulate)
+        into.index_put_((entries.rows, entries.cols), values.float().cpu()[:len(entries)],
+                        accumulate=accumulate)
 
-    def _prefill_importance(self, layer: int, table: PageTable, pages: list[list[int]],
+    def _prefill_importance(self, layer: int, table: PageTable, pages: _Entries,
                             pool: torch.Tensor, causal: bool, *, qd: torch.Tensor,
                             lse: torch.Tensor, scale: float, softcap: float | None, mass: bool,
                             snap: torch.Tensor | None) -> None:
         """Importance from a prompt chunk over one page set, under the merged LSE: the
         chunk's attention mass (H2O) and SnapKV's observation-window mass."""
-        if not any(pages):
+        if not len(pages):
             return
         b, hq, t, d = qd.shape
         window = self.layers[layer].window if causal else None
@@ -766,17 +836,21 @@ class TieredKVCache:
                 if pages:
                     self._drop(layer, bi, pages, window=True)
             return
+        # budgets count each sequence's real tokens and pages, not its left padding
+        pad_pages = self._pad_pages()
+        real = self._page_idx[None, :n_pages] >= pad_pages[:, None]
+        evicting = cfg.evict_budget != 0 and (cfg.evict_policy != "snapkv" or (decode and not
+                                                                               st.pruned))
+        if not evicting and len(self.tiers) > 1 and \
+                self._within_hot_budget(layer, n_pages, pad_pages, real):
+            return  # the usual decode step: nothing to demote, skip the policy's bookkeeping
         must = self._must_hot(n_pages)
         full = torch.ones(n_pages, dtype=torch.bool)
         if not st.length % p == 0:
             full[-1] = False
-        # budgets count each sequence's real tokens and pages, not its left padding
-        pad_pages = self._pad_pages()
-        real = torch.arange(n_pages)[None, :] >= pad_pages[:, None]
         real_tokens = st.length - self.pad
         alive = self.alive.nonzero().flatten().tolist()
-        if cfg.evict_budget != 0 and (cfg.evict_policy != "snapkv" or (decode and not
-                                                                        st.pruned)):
+        if evicting:
             rank = self._evict_rank(layer, n_pages)
             for bi in alive:
                 live = (st.tier[bi, :n_pages] != NONE) & ~must[bi] & full & real[bi]
@@ -820,6 +894,18 @@ class TieredKVCache:
         if over:
             self._demote(layer, over)
 
+    def _within_hot_budget(self, layer: int, n_pages: int, pad_pages: torch.Tensor,
+                           real: torch.Tensor) -> bool:
+        """True when no sequence holds more hot real pages than the hot budget allows. The
+        demotion target of :meth:`_rebalance` is that budget or more (it never goes below the
+        pages that must stay hot), so then it demotes nothing: checking this first skips
+        building the must-stay-hot mask and the per-sequence loop on most decode steps."""
+        st, cfg = self.layers[layer], self.config
+        hot = ((st.tier[:, :n_pages] == HOT) & real).sum(1).tolist()
+        span = (st.length - pad_pages * self.page_size).tolist()
+        return all(h <= cfg.pages(cfg.hot_budget, n_pages - pp, sp)
+                   for h, pp, sp in zip(hot, pad_pages.tolist(), span))
+
     def _drop_over(self, layer: int, n_pages: int, keep: list[int], must: torch.Tensor,
                    real: torch.Tensor) -> None:
         """Evict the lowest-ranked pages of each sequence ``b`` beyond ``keep[b]`` live real
@@ -862,8 +948,10 @@ class TieredKVCache:
     def _drop(self, layer: int, bi: int, pages: list[int], window: bool = False) -> None:
         """Release ``pages``; ``window``: they left a sliding window (not an eviction)."""
         st = self.layers[layer]
+        cols = torch.tensor(pages, dtype=torch.long)
+        tiers, slots = st.tier[bi, cols].tolist(), st.slot[bi, cols].tolist()
         for ti, tier in enumerate(self.tiers):
-            sl = [int(st.slot[bi, pg]) for pg in pages if int(st.tier[bi, pg]) == ti]
+            sl = [s for s, t in zip(slots, tiers) if t == ti]
             if sl:
                 tier.release(layer, sl)
         st.tier[bi, pages] = NONE
@@ -897,7 +985,9 @@ class TieredKVCache:
         src_pool = self.hbm.pool(layer)
         for ti, items, slots in plan:
             tier = self.tiers[ti]
-            src = [int(st.slot[bi, pg]) for bi, pg in items]
+            bis = torch.tensor([bi for bi, _ in items], dtype=torch.long)
+            pgs = torch.tensor([pg for _, pg in items], dtype=torch.long)
+            src = st.slot[bis, pgs].tolist()
             if isinstance(tier, MemoryTier):
                 ticket = self.engine.copy(
                     src_pool, torch.tensor(src, dtype=torch.int32, device=self.device),
@@ -913,9 +1003,8 @@ class TieredKVCache:
             tel.d2h_bytes[tier.kind] += len(items) * self.page_bytes
             tel.demoted_pages += len(items)
             self.hbm.release(layer, src)
-            for (bi, pg), sl in zip(items, slots):
-                st.tier[bi, pg] = ti
-                st.slot[bi, pg] = sl
+            st.tier[bis, pgs] = ti
+            st.slot[bis, pgs] = torch.tensor(slots, dtype=torch.int32)
 
     # --- whole-cache operations ----------------------------------------------------------
 

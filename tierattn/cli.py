@@ -5,6 +5,8 @@
     tierattn eval reasoning [--n N] [--out-root DIR]   eviction vs offload on the tiny reasoner
     tierattn eval reasoning --model DIR --data F.jsonl  the same on any HF checkpoint + JSONL
     tierattn eval fidelity [--out-root DIR]    SmolLM2-135M: KL, top-1, perplexity, passkey
+    tierattn bench [--smoke] [--out-root DIR]  data movement per token vs whole-layer offload
+    tierattn autotune --kernel decode|score|prefill|copy   tune a kernel on this GPU
     tierattn info                              versions, device, backend, interpreter mode
 """
 
@@ -88,6 +90,45 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                          page_size=args.page_size, backend=args.backend,
                          **({"seed": args.seed} if args.seed is not None else {}))
     print(summary(run_reasoning(spec, model_dir=args.model, out_root=args.out_root)))
+    return 0
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from tierattn.eval.bench import BenchSpec, run_bench, summary
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = BenchSpec.smoke() if args.smoke else BenchSpec()
+    changes = {k: v for k, v in (("contexts", args.contexts), ("budgets", args.budgets),
+                                 ("modes", args.modes), ("layers", args.layers),
+                                 ("steps", args.steps), ("batch", args.batch),
+                                 ("recall", args.recall), ("query_rho", args.query_rho),
+                                 ("seed", args.seed)) if v is not None}
+    if args.no_host_cost:
+        changes["host_cost"] = False
+    spec = base.replace(**changes)
+    result = run_bench(spec, out_root=args.out_root, device=args.device,
+                       hardware_files=tuple(args.hardware or ()))
+    print(summary(result))
+    return 0
+
+
+def _cmd_autotune(args: argparse.Namespace) -> int:
+    from tierattn.errors import KernelUnsupportedError
+    from tierattn.kernels.autotune import autotune, format_summary
+
+    try:
+        result = autotune(args.kernel, out_path=args.out, time_budget_s=args.seconds)
+    except KernelUnsupportedError as e:
+        print(f"tierattn autotune: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(result))
     return 0
 
 
@@ -179,6 +220,44 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out-root", default="results",
                     help="results go to a new folder under this one (default ./results)")
     ev.set_defaults(func=_cmd_eval)
+
+    bench = sub.add_parser("bench", help="exact data-movement counts per token (Llama-8B-shaped "
+                           "KV) vs whole-layer and per-page offloading, modeled H100/H200 "
+                           "times, host cost vs sdpa")
+    bench.add_argument("--smoke", action="store_true",
+                       help="reduced sizes (the CI smoke run): 1K/4K contexts, 2 steps")
+    bench.add_argument("--contexts", type=_ints, default=None,
+                       help="comma-separated context lengths (default 4096,32768,131072)")
+    bench.add_argument("--budgets", type=_floats, default=None,
+                       help="comma-separated hot budgets (default 1.0,0.5,0.25,0.1)")
+    bench.add_argument("--modes", type=lambda t: tuple(t.split(",")), default=None,
+                       help="offload,topk (default both)")
+    bench.add_argument("--layers", type=int, default=None, help="layers simulated (default 2)")
+    bench.add_argument("--steps", type=int, default=None, help="decode steps counted")
+    bench.add_argument("--batch", type=int, default=None)
+    bench.add_argument("--recall", type=float, default=None, help="topk recall budget (0.1)")
+    bench.add_argument("--query-rho", type=float, default=None,
+                       help="correlation of consecutive decode queries (default 0.9)")
+    bench.add_argument("--seed", type=int, default=None)
+    bench.add_argument("--hardware", action="append", default=None, metavar="FILE",
+                       help="an extra hardware profile JSON to model with (e.g. the "
+                            "hardware-measured.json of a GPU check); repeatable")
+    bench.add_argument("--no-host-cost", action="store_true",
+                       help="skip the tiny reasoner's decode-step timing against sdpa")
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    bench.add_argument("--out-root", default="results",
+                       help="results go to a new folder under this one (default ./results)")
+    bench.set_defaults(func=_cmd_bench)
+
+    tune = sub.add_parser("autotune", help="sweep a kernel's config space on this GPU and save "
+                          "the winners for it (needs CUDA)")
+    tune.add_argument("--kernel", required=True, choices=("decode", "score", "prefill", "copy"))
+    tune.add_argument("--out", default=None,
+                      help="JSON to write/merge (default: the package's file for this GPU)")
+    tune.add_argument("--seconds", type=float, default=None,
+                      help="stop the sweep after this many seconds (keeps the best so far)")
+    tune.set_defaults(func=_cmd_autotune)
 
     info = sub.add_parser("info", help="versions, device and backend")
     info.set_defaults(func=_cmd_info)
