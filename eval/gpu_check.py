@@ -19,7 +19,10 @@ as soon as it finishes (a run cut short keeps what it measured):
    whole-layer offloading with transformers' own ``DynamicCache(offloading=True)``: measured ms
    per token, the stall exposed over all-resident, and the model's prediction from the same
    run's telemetry and calibration;
-5. **autotune**: a short, time-boxed sweep of the decode and copy kernels' config spaces.
+5. **hostcost**: the tiny reasoner's greedy decode step, transformers' sdpa with its default
+   cache against the tiered path with everything hot and with 50% hot (the 1.3x target);
+6. **autotune**: a short, time-boxed sweep of each kernel's config space (one problem each),
+   winners in ``tuned.json`` (copy it to ``kernels/tuned/<gpu>.json`` to ship it).
 
 ``--tiny`` runs every section at toy sizes, also on a CPU (torch backend, host timers): the
 CI smoke test of this script; its numbers mean nothing.
@@ -43,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-SECTIONS = ("gate", "calibration", "decode", "pipeline", "autotune")
+SECTIONS = ("gate", "calibration", "decode", "pipeline", "hostcost", "autotune")
 REPO = Path(__file__).resolve().parent.parent
 GATE_TESTS = ("tests/test_decode.py", "tests/test_score.py", "tests/test_merge.py",
               "tests/test_prefill.py", "tests/test_metadata.py", "tests/test_copy.py",
@@ -413,6 +416,16 @@ def section_pipeline(ctx: dict) -> dict:
     return res
 
 
+def section_hostcost(ctx: dict) -> dict:
+    """The tiny reasoner's greedy decode step on this device: transformers' sdpa with its
+    default cache against the tiered path with everything hot and with 50% hot."""
+    from tierattn.eval.hostcost import reasoner_step_times
+
+    tiny = ctx["tiny"]
+    return reasoner_step_times(device=ctx["dev"], steps=4 if tiny else 32,
+                               repeats=1 if tiny else 3, progress=False)
+
+
 def section_autotune(ctx: dict) -> dict:
     """A time-boxed pass over each kernel's config space, one problem each (the decode problem
     is the one where SDPA beat us in this check's first run: batch 64, 32K context)."""
@@ -436,6 +449,7 @@ def section_autotune(ctx: dict) -> dict:
 
 SECTION_FNS = {"gate": section_gate, "calibration": section_calibration,
                "decode": section_decode, "pipeline": section_pipeline,
+               "hostcost": section_hostcost,
                "autotune": section_autotune}
 
 
@@ -502,6 +516,14 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | {r['ms']:.2f} | {_fmt(r.get('exposed_vs_resident_ms'))} | "
                          f"{_fmt(m.get(key))} | {_fmt(r.get('host_ms_per_layer'), '.3f')} | "
                          f"{_fmt(r.get('prefetch_hit_rate'))} |")
+        lines.append("")
+    if "hostcost" in s and "error" not in s["hostcost"]:
+        h = s["hostcost"]
+        lines += ["## Host cost: tiny reasoner decode step (measured side by side)", "",
+                  "| variant | median ms | p10-p90 ms | ratio to sdpa |", "|---|---|---|---|"]
+        for name, v in h["variants"].items():
+            lines.append(f"| {name} | {v['median_ms']:.3f} | {v['p10_ms']:.3f}-{v['p90_ms']:.3f} "
+                         f"| {v['ratio_to_sdpa']:.2f} |")
         lines.append("")
     if "autotune" in s and "error" not in s["autotune"]:
         from tierattn.kernels.autotune import format_summary

@@ -296,7 +296,8 @@ def _threads(n: int | None) -> Iterator[None]:
 @torch.no_grad()
 def reasoner_step_times(*, prompt_tokens: int = 256, steps: int = 32, repeats: int = 5,
                         batch: int = 1, threads: int | None = 1, host_breakdown: bool = True,
-                        model=None, progress: bool = True, seed: int = 0) -> dict:
+                        model=None, progress: bool = True, seed: int = 0,
+                        device: str | torch.device | None = None) -> dict:
     """Median wall time of one greedy decode step of the tiny reasoner, per variant.
 
     Each repeat prefills the same ``[batch, prompt_tokens]`` prompt (random token ids, seeded;
@@ -319,12 +320,14 @@ def reasoner_step_times(*, prompt_tokens: int = 256, steps: int = 32, repeats: i
     from tierattn.models.cache import TieredCache
     from tierattn.models.patch import patch
 
+    dev = torch.device(device or "cpu")
     if model is None:
         model, _ = load_reasoner()
-    model.eval()
+    model.eval().to(dev)
+    cuda = dev.type == "cuda"
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (batch, prompt_tokens), generator=gen)
+    ids = torch.randint(3, vocab, (batch, prompt_tokens), generator=gen).to(dev)
     total = prompt_tokens + steps
     max_context = -(-total // 16) * 16
     configs = {
@@ -336,7 +339,7 @@ def reasoner_step_times(*, prompt_tokens: int = 256, steps: int = 32, repeats: i
     }
     arg = "cache" if "cache" in __import__("inspect").signature(model.forward).parameters \
         else "past_key_values"
-    full_mask = torch.ones(batch, total, dtype=torch.long)
+    full_mask = torch.ones(batch, total, dtype=torch.long, device=dev)
     orig_attn = model.config._attn_implementation
 
     def run(name: str, timer: bool = False) -> tuple[list[float], dict, dict | None]:
@@ -349,7 +352,7 @@ def reasoner_step_times(*, prompt_tokens: int = 256, steps: int = 32, repeats: i
             handle = patch(model, cfg)
             cache = TieredCache(model.config, cfg)
         try:
-            pos = torch.arange(prompt_tokens).expand(batch, -1)
+            pos = torch.arange(prompt_tokens, device=dev).expand(batch, -1)
             out = model(input_ids=ids, attention_mask=full_mask[:, :prompt_tokens],
                         position_ids=pos, use_cache=True, **{arg: cache})
             cache = getattr(out, arg)
@@ -359,11 +362,16 @@ def reasoner_step_times(*, prompt_tokens: int = 256, steps: int = 32, repeats: i
             with kt:
                 for s in range(steps):
                     n = prompt_tokens + s
-                    mask, p = full_mask[:, :n + 1], torch.full((batch, 1), n, dtype=torch.long)
+                    mask = full_mask[:, :n + 1]
+                    p = torch.full((batch, 1), n, dtype=torch.long, device=dev)
+                    if cuda:
+                        torch.cuda.synchronize(dev)
                     t0 = time.perf_counter()
                     out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=p,
                                 use_cache=True, **{arg: cache})
                     nxt = out.logits[:, -1].argmax(-1)
+                    if cuda:  # the step ends when the GPU is done with it
+                        torch.cuda.synchronize(dev)
                     times.append(time.perf_counter() - t0)
             stats = cache.stats()["total"] if cfg is not None else {}
             return times, stats, (kt.summary() if timer else None)
@@ -421,7 +429,7 @@ def reasoner_step_times(*, prompt_tokens: int = 256, steps: int = 32, repeats: i
                    "prompt_tokens": prompt_tokens, "steps": steps, "repeats": repeats,
                    "batch": batch, "threads": torch.get_num_threads() if threads is None
                    else threads, "max_context": max_context, "page_size": 16,
-                   "device": "cpu", "dtype": str(next(model.parameters()).dtype),
+                   "device": str(dev), "dtype": str(next(model.parameters()).dtype),
                    "torch": torch.__version__,
                    "transformers": __import__("transformers").__version__},
     }
