@@ -1000,6 +1000,7 @@ class TieredKVCache:
                            [pg * self.page_size for _, pg in items])
             tel.copy_launches += 1
             tel.copy_launches_decode += self._decoding
+            tel.d2h_launches_decode += self._decoding
             tel.d2h_bytes[tier.kind] += len(items) * self.page_bytes
             tel.demoted_pages += len(items)
             self.hbm.release(layer, src)

@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--budgets", type=_floats, default=None,
                        help="comma-separated hot budgets (default 1.0,0.5,0.25,0.1)")
     bench.add_argument("--modes", type=lambda t: tuple(t.split(",")), default=None,
-                       help="offload,topk (default both)")
+                       help="offload,topk,topk-sync (default all three)")
     bench.add_argument("--layers", type=int, default=None, help="layers simulated (default 2)")
     bench.add_argument("--steps", type=int, default=None, help="decode steps counted")
     bench.add_argument("--batch", type=int, default=None)

@@ -21,6 +21,7 @@ class LayerCounters:
     h2d_decode_bytes: int = 0  # the part of h2d_bytes moved during decode steps
     copy_launches: int = 0
     copy_launches_decode: int = 0  # the part of copy_launches issued during decode steps
+    d2h_launches_decode: int = 0  # the part of copy_launches_decode that demoted pages (D2H)
     kernel_launches: int = 0
     prefetch_hits: int = 0  # pages a layer needed that were already in flight
     late_misses: int = 0  # pages fetched synchronously because no prefetch covered them
@@ -40,6 +41,7 @@ class LayerCounters:
             "h2d_decode_bytes": self.h2d_decode_bytes,
             "copy_launches": self.copy_launches, "kernel_launches": self.kernel_launches,
             "copy_launches_decode": self.copy_launches_decode,
+            "d2h_launches_decode": self.d2h_launches_decode,
             "prefetch_hits": self.prefetch_hits, "late_misses": self.late_misses,
             "wasted_prefetches": self.wasted_prefetches, "evicted_tokens": self.evicted_tokens,
             "window_dropped_tokens": self.window_dropped_tokens,
@@ -67,7 +69,7 @@ class Telemetry:
             per_layer.append(d)
         total: dict = {}
         for key in ("h2d_bytes_total", "d2h_bytes_total", "h2d_decode_bytes", "copy_launches",
-                    "copy_launches_decode", "kernel_launches",
+                    "copy_launches_decode", "d2h_launches_decode", "kernel_launches",
                     "prefetch_hits", "late_misses", "wasted_prefetches", "evicted_tokens",
                     "window_dropped_tokens",
                     "demoted_pages", "attend_calls", "host_time_s"):
