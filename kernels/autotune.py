@@ -491,16 +491,21 @@ def _decode_problem(s: dict, device: torch.device, gen: torch.Generator) -> Prob
     ref, lowp = (decode.sparse_decode_reference(q, pool, pt, return_page_mass=True,
                                                 compute_dtype=c) for c in (hi, dt))
 
-    def check(res) -> str | None:
-        return _rule(dt, out=(res.out, ref.out, lowp.out), lse=(res.lse, ref.lse, lowp.lse),
-                     page_mass=(res.page_mass, ref.page_mass, lowp.page_mass))
-
     return Problem(
         "decode", f"B{b} ctx{kv_len} Hq{hq}/Hkv{hkv} D{d} P{ps} {s['dtype']}",
         decode._key_sizes(q, pool, pt), decode._default_config(d),
         lambda cfg, chk: decode.sparse_decode(q, pool, pt, validate=False, config=cfg,
                                               return_page_mass=chk),
-        check)
+        _attention_check(dt, ref, lowp))
+
+
+def _attention_check(dt: torch.dtype, ref, lowp):
+    """The check of an attention result (``out``, ``lse``, ``page_mass``) against the fp32/fp64
+    reference ``ref`` and the low-precision torch run ``lowp`` (the error rule)."""
+    def check(res) -> str | None:
+        return _rule(dt, out=(res.out, ref.out, lowp.out), lse=(res.lse, ref.lse, lowp.lse),
+                     page_mass=(res.page_mass, ref.page_mass, lowp.page_mass))
+    return check
 
 
 def _score_problem(s: dict, device: torch.device, gen: torch.Generator) -> Problem:
@@ -534,16 +539,12 @@ def _prefill_problem(s: dict, device: torch.device, gen: torch.Generator) -> Pro
     ref, lowp = (prefill.paged_prefill_reference(q, pool, pt, qo, return_page_mass=True,
                                                  compute_dtype=c) for c in (torch.float32, dt))
 
-    def check(res) -> str | None:
-        return _rule(dt, out=(res.out, ref.out, lowp.out), lse=(res.lse, ref.lse, lowp.lse),
-                     page_mass=(res.page_mass, ref.page_mass, lowp.page_mass))
-
     return Problem(
         "prefill", f"B{b} q{q_len} ctx{kv_len} Hq{hq}/Hkv{hkv} D{d} P{ps} {s['dtype']}",
         prefill._key_sizes(q, pool, qo), prefill._default_config(d),
         lambda cfg, chk: prefill.paged_prefill(q, pool, pt, qo, validate=False, config=cfg,
                                                return_page_mass=chk),
-        check)
+        _attention_check(dt, ref, lowp))
 
 
 def _copy_problem(s: dict, device: torch.device, gen: torch.Generator) -> Problem:

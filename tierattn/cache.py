@@ -24,6 +24,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -113,7 +114,7 @@ class _Entries:
     def from_lists(cls, pages: list[list[int]]) -> _Entries:
         counts = torch.tensor([len(x) for x in pages], dtype=torch.long)
         return cls(torch.repeat_interleave(torch.arange(len(pages)), counts),
-                   torch.tensor([pg for x in pages for pg in x], dtype=torch.long))
+                   torch.tensor(list(chain.from_iterable(pages)), dtype=torch.long))
 
 
 class TieredKVCache:
@@ -577,7 +578,7 @@ class TieredKVCache:
         return self._table(counts, idx, last), _Entries(nz[:, 0], nz[:, 1])
 
     def _staged_table(self, run: _Staged) -> PageTable:
-        idx = torch.tensor([s for row in run.slots for s in row], dtype=torch.int32)
+        idx = torch.tensor(list(chain.from_iterable(run.slots)), dtype=torch.int32)
         return self._table([len(x) for x in run.slots], idx, self.page_size)
 
     def _select_topk(self, layer: int, q: torch.Tensor, cold: torch.Tensor) -> list[list[int]]:
@@ -620,6 +621,11 @@ class TieredKVCache:
                 tel.wasted_prefetches += sum(len(x) for x in pre.pages)
                 self._wait_all(pre.tickets)
             return
+        if pre is not None and pre.pages == need:  # the prefetch brought exactly what is needed
+            self._wait_all(pre.tickets)
+            tel.prefetch_hits += sum(len(x) for x in need)
+            yield _Staged(buffer, pre.pages, pre.slots)
+            return
         first = _Staged(buffer)
         used = set()
         if pre is not None:
@@ -653,7 +659,9 @@ class TieredKVCache:
             batch, todo = todo[:len(free)], todo[len(free):]
             slots, free = free[:len(batch)], free[len(batch):]
             # after the fence of the kernel that read this buffer's previous batch
-            self._copy_in(layer, batch, run.buffer, slots, after=self._fence)
+            pairs = torch.tensor(batch, dtype=torch.long).view(-1, 2)
+            self._copy_in(layer, pairs[:, 0], pairs[:, 1], run.buffer,
+                          torch.tensor(slots, dtype=torch.long), after=self._fence)
             for (bi, pg), sl in zip(batch, slots):
                 run.pages[bi].append(pg)
                 run.slots[bi].append(sl)
@@ -672,45 +680,37 @@ class TieredKVCache:
         for ticket in tickets:
             self.engine.wait(ticket)
 
-    def _copy_in(self, layer: int, batch: list[tuple[int, int]], buffer: int, slots: list[int],
-                 *, after: object = None, wait: bool = True) -> list:
-        """Copy cold pages ``(sequence, page)`` into staging ``slots``: one launch per source
-        tier; returns the tickets (already waited on when ``wait``). Slot lists live on the
-        compute device: on CUDA the copy kernel runs there and reads pinned host pools over
-        UVA."""
+    def _copy_in(self, layer: int, bis: torch.Tensor, pgs: torch.Tensor, buffer: int,
+                 slots: torch.Tensor, *, after: object = None, wait: bool = True) -> list:
+        """Copy the cold pages ``(bis[i], pgs[i])`` (sequence, logical page) into staging slots
+        ``slots[i]`` (``[n]`` long CPU tensors): one launch per source tier; returns the tickets
+        (already waited on when ``wait``). Slot lists live on the compute device: on CUDA the
+        copy kernel runs there and reads pinned host pools over UVA."""
         st, tel = self.layers[layer], self.telemetry.layers[layer]
         tickets = []
-        # tier and slot of every page in two gathers, not two tensor reads per page
-        bis = torch.tensor([bi for bi, _ in batch], dtype=torch.long)
-        pgs = torch.tensor([pg for _, pg in batch], dtype=torch.long)
-        src_tier, src_slot = st.tier[bis, pgs].tolist(), st.slot[bis, pgs].tolist()
-        by_tier: dict[int, list[tuple[int, int, int, int]]] = {}
-        for (bi, pg), sl, ti, ss in zip(batch, slots, src_tier, src_slot):
-            by_tier.setdefault(ti, []).append((bi, pg, sl, ss))
+        # tier and slot of every page in two gathers; no Python work per page
+        src_tier, src_slot = st.tier[bis, pgs], st.slot[bis, pgs]
+        tiers = torch.unique(src_tier).tolist()  # sorted: fastest tier first
         dst_pool = self.staging[buffer]
-        for ti, items in sorted(by_tier.items()):
+        for ti in tiers:
+            sel = (src_tier == ti) if len(tiers) > 1 else slice(None)
+            src, dst, n = src_slot[sel], slots[sel], int(src_slot[sel].numel())
             tier = self.tiers[ti]
-            src = [ss for _, _, _, ss in items]
-            dst = [sl for _, _, sl, _ in items]
             if isinstance(tier, MemoryTier):
                 ticket = self.engine.copy(
-                    tier.pool(layer), torch.tensor(src, dtype=torch.int32, device=self.device),
-                    dst_pool, torch.tensor(dst, dtype=torch.int32, device=self.device),
-                    after=after)
+                    tier.pool(layer), src.to(device=self.device, dtype=torch.int32),
+                    dst_pool, dst.to(device=self.device, dtype=torch.int32), after=after)
                 tickets.append(ticket)
-                tel.copy_launches += 1
-                tel.copy_launches_decode += self._decoding
                 if wait:
                     self.engine.wait(ticket)
             else:  # disk: validated reads, then one indexed host->device copy
-                pages = tier.read(layer, src, [pg * self.page_size for _, pg, _, _ in items])
-                dst_pool[torch.tensor(dst, dtype=torch.long, device=self.device)] = \
-                    pages.to(self.device)
-                tel.copy_launches += 1
-                tel.copy_launches_decode += self._decoding
-            tel.h2d_bytes[tier.kind] += len(items) * self.page_bytes
+                pages = tier.read(layer, src.tolist(), (pgs[sel] * self.page_size).tolist())
+                dst_pool[dst.to(self.device)] = pages.to(self.device)
+            tel.copy_launches += 1
+            tel.copy_launches_decode += self._decoding
+            tel.h2d_bytes[tier.kind] += n * self.page_bytes
             if self._decoding:
-                tel.h2d_decode_bytes += len(items) * self.page_bytes
+                tel.h2d_decode_bytes += n * self.page_bytes
         return tickets
 
     def _prefetch_next(self, layer: int, q: torch.Tensor | None) -> None:
@@ -739,10 +739,9 @@ class TieredKVCache:
         for row in pages:
             slots.append(list(range(pos, pos + len(row))))
             pos += len(row)
-        batch = [(bi, pg) for bi, row in enumerate(pages) for pg in row]
-        flat_slots = [s for row in slots for s in row]
-        tickets = self._copy_in(nxt, batch, buffer, flat_slots, after=self.engine.fence(),
-                                wait=False)
+        entries = _Entries.from_lists(pages)
+        tickets = self._copy_in(nxt, entries.rows, entries.cols, buffer, torch.arange(total),
+                                after=self.engine.fence(), wait=False)
         st.prefetch = _Prefetch(tickets, buffer, pages, slots)
 
     # --- importance and policy ---------------------------------------------------------------
