@@ -46,6 +46,8 @@ __all__ = ["BenchSpec", "Geometry", "load_profile", "model_row", "run_bench", "w
            "HARDWARE_DIR"]
 
 HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
+#: the runtime modes a bench row can run (see :attr:`BenchSpec.modes`)
+MODES = ("offload", "topk", "topk-sync")
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class BenchSpec:
     #: ``topk`` (hot set + the recall budget's best cold pages by Quest bound, the previous
     #: step's selection prefetched a layer ahead) and ``topk-sync`` (the same without prefetch:
     #: the recall is fetched when the layer runs, so nothing is fetched in vain)
-    modes: tuple[str, ...] = ("offload", "topk", "topk-sync")
+    modes: tuple[str, ...] = MODES
     recall: float = 0.1  # topk: cold tokens recalled per step, a fraction of the context
     layers: int = 2  # layers simulated (see the module docstring)
     #: decode steps counted after the prefill: one page's worth, so the occasional demotion of
@@ -141,7 +143,7 @@ def whole_layer(context: int, geo: Geometry, batch: int = 1) -> dict:
     holds two layers' KV of ``geo.layers``."""
     kv = geo.kv_bytes_per_token_layer * batch
     return {"h2d_bytes": context * kv, "d2h_bytes": (context + 1) * kv, "copy_calls": 4,
-            "kernels": 1, "resident_hbm": min(1.0, 2 / geo.layers)}
+            "resident_hbm": min(1.0, 2 / geo.layers)}
 
 
 def model_row(row: dict, prof: dict, geo: Geometry) -> dict:
@@ -151,10 +153,14 @@ def model_row(row: dict, prof: dict, geo: Geometry) -> dict:
 
     * compute ``T_c = W / (eta BW_hbm) + bytes_attended / (eta BW_hbm) + n_kernels t_launch``
       (a batch-1 step reads every weight once; decode attention reads every attended byte once);
-    * a prefetch overlaps the previous layer's weight reads: exposed ``max(0, T_copy - W/(eta
-      BW_hbm))``; late misses and demotions (the compute stream waits on them) are exposed whole;
+    * ours: a copy is one launch of the page-copy kernel over UVA (``launch + bytes / uva``);
+      a layer-ahead prefetch overlaps the previous layer's weight reads, exposed ``max(0,
+      T_copy - W/(eta BW_hbm))``; late misses (every fetch when prefetching is off) and
+      demotions (the compute stream waits on them) are exposed whole;
+    * per-page design: the same pages, ``memcpy_call + page_bytes / h2d`` per page, same overlap;
     * whole-layer offloading: its D2H runs on the compute stream (``.to("cpu",
-      non_blocking=True)`` after the update), its H2D on a side stream overlapping the layer.
+      non_blocking=True)`` after the update), its H2D on a side stream overlapping the layer;
+      its per-step ``torch.cat`` of the layer's KV in HBM is left out (in its favour).
     """
     hbm = prof["hbm_bandwidth_Bps"] * prof["hbm_efficiency"]
     launch, call = prof["kernel_launch_s"], prof["memcpy_call_s"]
@@ -165,7 +171,7 @@ def model_row(row: dict, prof: dict, geo: Geometry) -> dict:
     ctx = row["context_tokens"]
 
     def compute(tokens: float, kernels: float) -> float:
-        return t_w + max(tokens * kv / hbm, launch) + kernels * launch
+        return t_w + tokens * kv / hbm + kernels * launch
 
     resident = compute(ctx, 1)
     t_c = compute(row["attended_tokens"], row["kernels_per_layer_step"])
@@ -174,7 +180,7 @@ def model_row(row: dict, prof: dict, geo: Geometry) -> dict:
     d2h_b = row["d2h_bytes_per_layer_step"]
     # ours: one launch per copy; the late part and demotions are waited on
     late_t = (launch + late_b / uva) if late_b else 0.0
-    dem_t = d2h_b / d2h + (launch if d2h_b else 0.0)
+    dem_t = (launch + d2h_b / uva) if d2h_b else 0.0
     pre_t = (launch + pre_b / uva) if pre_b else 0.0
     ours = t_c + max(0.0, pre_t - t_w) + late_t + dem_t
     sync = t_c + pre_t + late_t + dem_t
@@ -212,12 +218,7 @@ class _Queries:
         return q
 
 
-MODES = ("offload", "topk", "topk-sync")
-
-
 def _config(spec: BenchSpec, context: int, mode: str, budget: float, backend: str) -> TierConfig:
-    if mode not in MODES:
-        raise ValueError(f"bench mode {mode!r} is not one of {MODES}.")
     extra = {"recall_budget": spec.recall} if mode != "offload" else {}
     if mode == "topk-sync":
         extra["prefetch"] = "none"
@@ -274,11 +275,15 @@ def run_row(spec: BenchSpec, context: int, mode: str, budget: float, *,
     page_bytes = tot["page_bytes"]
     h2d = tot["h2d_decode_bytes"] / per
     d2h = tot["d2h_bytes_total"] / per
-    late_pages = tot["late_misses"] / per
+    # with prefetching off every fetch happens when the layer runs (telemetry counts late
+    # misses only against a prefetch)
+    late_pages = h2d / page_bytes if cfg.prefetch == "none" else tot["late_misses"] / per
     # pages never come back to HBM, so every demotion should make one more page cold; a page
     # demoted twice shows up as a demotion without a new cold page
     repeated = tot["demoted_pages"] - (_cold_pages(cache) - cold_before)
-    cold_per_layer = h2d / page_bytes * spec.page_size / spec.batch  # tokens staged per step
+    # cold tokens attended per sequence and step: what was fetched, less what was fetched in vain
+    used_pages = h2d / page_bytes - tot["wasted_prefetches"] / per
+    cold_per_layer = used_pages * spec.page_size / spec.batch
     hot_tokens = tot["resident_fraction"].get("hbm", 0.0) * (context + spec.steps)
     attended = context + spec.steps if mode == "offload" else hot_tokens + cold_per_layer
     wl = whole_layer(context, g, spec.batch)
@@ -335,7 +340,7 @@ TABLE = [("context", "context", "s"), ("mode", "mode", "s"), ("hot", "hot_budget
          ("host us/L/step", "host_orchestration_us_per_layer_step", ".0f")]
 
 
-def _modeled_table(rows: list[dict], hw: str) -> list[tuple[str, str, str]]:
+def _modeled_table(hw: str) -> list[tuple[str, str, str]]:
     return [("context", "context", "s"), ("mode", "mode", "s"), ("hot", "hot_budget", ".2f")] + [
         (f"{name} ms", f"{hw}_{key}", ".2f") for name, key in
         (("resident", "resident_ms"), ("ours", "ours_ms"), ("sync fetch", "sync_ms"),
@@ -381,6 +386,9 @@ def run_bench(spec: BenchSpec = BenchSpec(), *, out_root: str | Path | None = "r
               device: str | None = None, hardware_files: tuple[str, ...] = (),
               progress: bool = True) -> dict:
     """Run every (context, mode, budget) row, model the times, write the results folder."""
+    bad = [m for m in spec.modes if m not in MODES]
+    if bad:  # before any row runs: a full run takes minutes
+        raise ValueError(f"bench modes {bad} are not among {MODES}; pass --modes with those.")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # on CPU the kernels' torch references run (the interpreter would take hours at 128K)
     backend = "auto" if dev.type == "cuda" else "torch"
@@ -408,6 +416,7 @@ def run_bench(spec: BenchSpec = BenchSpec(), *, out_root: str | Path | None = "r
     result = {
         "spec": {**asdict(spec), "geometry": asdict(spec.geometry)},
         "environment": {"device": str(dev), "backend": backend, "torch": torch.__version__,
+                        "commit": _commit(),
                         "python": platform.python_version(), "machine": platform.machine(),
                         "cpu_count": __import__("os").cpu_count()},
         "profiles": profiles,
@@ -424,6 +433,18 @@ def run_bench(spec: BenchSpec = BenchSpec(), *, out_root: str | Path | None = "r
         (out / "summary.md").write_text(markdown(result))
         result["plots"] = _plots(rows, profiles, out)
     return result
+
+
+def _commit() -> str | None:
+    """The checkout's git commit (None outside a git checkout), recorded with the results."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _plots(rows: list[dict], profiles: dict, out: Path) -> list[str]:
@@ -501,7 +522,7 @@ def markdown(result: dict) -> str:
         kind = "measured" if prof.get("measured") else "nominal"
         lines += ["", f"Modeled ms per token, {prof['name']} ({kind} profile; modeled, not "
                   "measured):", ""]
-        lines += _md_table([r for r in rows if r["hot_budget"] < 1.0], _modeled_table(rows, hw))
+        lines += _md_table([r for r in rows if r["hot_budget"] < 1.0], _modeled_table(hw))
     host = result.get("host_cost")
     if host:
         lines += ["", f"Host cost, tiny reasoner greedy decode step ({host['config']['device']}, "
@@ -524,7 +545,7 @@ def summary(result: dict) -> str:
     for hw, prof in result["profiles"].items():
         lines += ["", f"Modeled ms per token on {prof['name']} "
                   f"({'measured profile' if prof.get('measured') else 'nominal profile'}; "
-                  "modeled, not measured):", format_table(rows, _modeled_table(rows, hw))]
+                  "modeled, not measured):", format_table(rows, _modeled_table(hw))]
     host = result.get("host_cost")
     if host:
         v = host["variants"]

@@ -332,9 +332,11 @@ def section_pipeline(ctx: dict) -> dict:
         per = steps * geo.layers
         pb = tot["page_bytes"]
         h2d = tot["h2d_decode_bytes"] / per
-        late = tot["late_misses"] / per * pb
+        # without a prefetch every fetch is late; wasted prefetches are moved but not attended
+        late = h2d if cfg.prefetch == "none" else tot["late_misses"] / per * pb
+        used = h2d / pb - tot["wasted_prefetches"] / per
         attended = context if cfg.attend == "all" else \
-            tot["resident_fraction"].get("hbm", 0) * context + h2d / pb * cfg.page_size
+            tot["resident_fraction"].get("hbm", 0) * context + used * cfg.page_size
         row = {"context_tokens": context, "batch": 1, "page_bytes": pb,
                "kernels_per_layer_step": tot["kernel_launches"] / per,
                "copies_per_layer_step": tot["copy_launches_decode"] / per,

@@ -440,8 +440,9 @@ DEFAULT_SHAPES: dict[str, list[dict]] = {
 class Problem:
     """One sweep problem: inputs and references built once, a config runs against them.
 
-    ``run(config, check)`` launches the kernel with ``config`` (``check=True``: the run whose
-    output is compared, possibly computing more than the timed run, e.g. the page mass);
+    ``run(config, check)`` launches the kernel with ``config`` (``check=True``: every output
+    the check compares, e.g. the page mass besides ``out``/``lse``; the sweep times that same
+    variant, so what is timed is what was checked);
     ``check(result)`` returns why the result breaks the rule, or None; ``reset`` restores the
     state an in-place kernel overwrote, before each checked run.
     """
@@ -639,7 +640,7 @@ def tune_problem(prob: Problem, bench: Callable[[Callable[[], Any]], float], *,
                 prob.reset()
             reason = prob.check(prob.run(cfg, True))
             if reason is None:
-                timed.append((1000.0 * bench(lambda cfg=cfg: prob.run(cfg, False)), cfg))
+                timed.append((1000.0 * bench(lambda cfg=cfg: prob.run(cfg, True)), cfg))
         except Exception as e:  # a config that does not compile or launch is rejected
             reason = _short(e)
         if reason is not None:

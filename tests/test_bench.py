@@ -98,6 +98,8 @@ def test_modeled_times_are_ordered_and_files_written(smoke):
         m = model_row(r, prof, Geometry())
         assert m["resident_ms"] <= m["ours_ms"] + 1e-9 <= m["sync_ms"] + 2e-9
         assert m["per_page_ms"] >= m["resident_ms"] and m["whole_layer_ms"] > m["resident_ms"]
+        if r["mode"] == "topk-sync":  # nothing is prefetched: nothing overlaps
+            assert m["ours_ms"] == pytest.approx(m["sync_ms"])
     out = smoke["out"]
     saved = json.loads((__import__("pathlib").Path(out) / "results.json").read_text())
     assert len(saved["rows"]) == 2 * 3 * 3 and saved["profiles"]["h200"]["measured"] is False

@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "KV) vs whole-layer and per-page offloading, modeled H100/H200 "
                            "times, host cost vs sdpa")
     bench.add_argument("--smoke", action="store_true",
-                       help="reduced sizes (the CI smoke run): 1K/4K contexts, 2 steps")
+                       help="reduced sizes (the CI smoke run): 1K/4K contexts, 4 steps")
     bench.add_argument("--contexts", type=_ints, default=None,
                        help="comma-separated context lengths (default 4096,32768,131072)")
     bench.add_argument("--budgets", type=_floats, default=None,
