@@ -361,6 +361,8 @@ def _prepare(q, kv_pool, page_table, qo_indptr, *, sm_scale, causal, sliding_win
     q_items, kv_items = _plan(q, page_table, qo_indptr, page_size, block_m, block_n // p_pad,
                               validate, need_mass, bool(causal))
     stages = {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
+    # a tuned num_stages was checked on this GPU for its key, which pins D and the dtype (the
+    # tile bytes): only the untuned default is fitted to the shared memory
     if "num_stages" not in stages and not triton_interpreting():
         fit = fit_num_stages(2 * block_n * next_pow2(d) * kv_pool.element_size(), q.device)
         if fit is not None:
