@@ -31,6 +31,7 @@ import json
 import math
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,8 +43,8 @@ from tierattn.config import TierConfig
 from tierattn.eval.hostcost import KernelTimer
 from tierattn.eval.report import format_table, new_results_dir, save_json, write_csv
 
-__all__ = ["BenchSpec", "Geometry", "load_profile", "model_row", "run_bench", "whole_layer",
-           "HARDWARE_DIR"]
+__all__ = ["BenchSpec", "Geometry", "fill_by_chunks", "load_profile", "model_row", "run_bench",
+           "whole_layer", "HARDWARE_DIR"]
 
 HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
 #: the runtime modes a bench row can run (see :attr:`BenchSpec.modes`)
@@ -233,6 +234,22 @@ def _cold_pages(cache: TieredKVCache) -> int:
     return sum(int((st.tier > HOT).sum()) for st in cache.layers)
 
 
+def fill_by_chunks(cache: TieredKVCache, context: int, chunk: int,
+                   kv: Callable[[int], torch.Tensor], q: Callable[[int], torch.Tensor]) -> None:
+    """Prefill ``context`` tokens into every layer of ``cache``, ``chunk`` at a time.
+
+    Only a chunk's last token queries (``q(layer)``: ``[B, H_q, 1, D]``): the cache gets the
+    same pages, importance from a decode-style attention and the same demotions, without an
+    O(context^2) prefill attention that a CPU could not run at 128K tokens. ``kv(t)`` gives one
+    ``[B, H_kv, t, D]`` tensor (called for K, then V).
+    """
+    for start in range(0, context, chunk):
+        t = min(chunk, context - start)
+        for layer in range(cache.num_layers):
+            cache.update(layer, kv(t), kv(t))
+            cache.attend(layer, q(layer))
+
+
 def run_row(spec: BenchSpec, context: int, mode: str, budget: float, *,
             device: torch.device, backend: str) -> dict:
     """Prefill ``context`` random tokens, decode ``spec.steps`` more, return the counts."""
@@ -248,15 +265,8 @@ def run_row(spec: BenchSpec, context: int, mode: str, budget: float, *,
         return torch.randn(spec.batch, g.kv_heads, t, g.head_dim, generator=gen,
                            dtype=torch.float32).to(device, torch.bfloat16)
 
-    # Prefill in chunks. Only the chunk's last token queries (T=1): the cache gets the same
-    # pages, importance from a decode-style attention and the same demotions, without an
-    # O(context^2) prefill attention that a CPU could not run at 128K tokens.
-    chunk = cfg.prefill_chunk_size
-    for start in range(0, context, chunk):
-        t = min(chunk, context - start)
-        for layer in range(spec.layers):
-            cache.update(layer, kv(t), kv(t))
-            cache.attend(layer, queries.next(layer).to(device, torch.bfloat16))
+    fill_by_chunks(cache, context, cfg.prefill_chunk_size, kv,
+                   lambda layer: queries.next(layer).to(device, torch.bfloat16))
     cache.telemetry.reset()
     cold_before = _cold_pages(cache)
     wall = time.perf_counter()

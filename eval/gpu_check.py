@@ -287,7 +287,7 @@ def section_pipeline(ctx: dict) -> dict:
     """Llama-8B-shaped decode with a GEMM per layer: resident vs ours vs whole-layer."""
     from tierattn.cache import TieredKVCache
     from tierattn.config import TierConfig
-    from tierattn.eval.bench import Geometry, model_row, whole_layer
+    from tierattn.eval.bench import Geometry, fill_by_chunks, model_row, whole_layer
 
     dev, tiny = ctx["dev"], ctx["tiny"]
     geo = Geometry() if not tiny else Geometry(layers=4, q_heads=4, kv_heads=2, head_dim=32,
@@ -308,12 +308,8 @@ def section_pipeline(ctx: dict) -> dict:
     def run_cache(cfg: TierConfig) -> dict:
         cache = TieredKVCache(cfg, num_layers=geo.layers, num_kv_heads=geo.kv_heads,
                               head_dim=geo.head_dim, dtype=torch.bfloat16, device=dev)
-        for start in range(0, context, chunk):
-            t = min(chunk, context - start)
-            for layer in range(geo.layers):
-                cache.update(layer, rand(1, geo.kv_heads, t, geo.head_dim),
-                             rand(1, geo.kv_heads, t, geo.head_dim))
-                cache.attend(layer, rand(1, geo.q_heads, 1, geo.head_dim))
+        fill_by_chunks(cache, context, chunk, lambda t: rand(1, geo.kv_heads, t, geo.head_dim),
+                       lambda layer: rand(1, geo.q_heads, 1, geo.head_dim))
         times = []
         for i in range(warm + steps):
             if i == warm:

@@ -9,8 +9,7 @@ Two tools:
   restores them on exit. ``attend`` wall time minus the time spent inside kernel and copy calls
   is the host orchestration of the tiered runtime (tables, policy, telemetry, small torch ops).
   :func:`attend_host_overhead` runs a decode step function under it and reports that per layer
-  per decode step; :func:`synthetic_host_overhead` does so for any KV geometry and context (e.g.
-  Llama-8B-shaped KV at 4K..128K tokens, one or two layers) without a model.
+  per decode step (``tierattn bench`` uses the timer on Llama-8B-shaped KV at 4K..128K).
 * :func:`reasoner_step_times` times one greedy decode step (a forward of one token with the
   cache, then argmax; no tokenizer work) of the shipped tiny reasoner with (a) transformers'
   ``sdpa`` and its default ``DynamicCache``, (b) the tiered path with everything hot and (c) the
@@ -34,8 +33,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["KERNEL_NAMES", "KernelTimer", "attend_host_overhead", "reasoner_step_times",
-           "synthetic_host_overhead"]
+__all__ = ["KERNEL_NAMES", "KernelTimer", "attend_host_overhead", "reasoner_step_times"]
 
 #: the kernel entry points tierattn.cache imports (module globals it calls by name)
 KERNEL_NAMES = ("sparse_decode", "decode_page_mass", "merge_states", "page_metadata",
@@ -207,61 +205,6 @@ def attend_host_overhead(cache, step: Callable[[int], object], steps: int, *,
     out["steps"] = steps
     out["layers_per_step"] = out["attend_calls"] / max(1, steps)
     out["step_wall_us_median"] = statistics.median(walls) * 1e6 if walls else float("nan")
-    return out
-
-
-def synthetic_host_overhead(context: int, *, hot_budget: float = 1.0, num_layers: int = 1,
-                            num_kv_heads: int = 8, num_q_heads: int = 32, head_dim: int = 128,
-                            steps: int = 8, warmup: int = 2, dtype: torch.dtype | None = None,
-                            device: str | torch.device | None = None, fill_chunk: int = 2048,
-                            sync: bool | None = None, seed: int = 0, **config) -> dict:
-    """:func:`attend_host_overhead` of a bare :class:`~tierattn.cache.TieredKVCache` holding
-    ``context`` tokens per layer (batch 1, random KV; Llama-8B-shaped by default), decoding
-    ``steps`` tokens with the ``offload`` preset at ``hot_budget`` (``config``: more knobs).
-
-    The cache is filled ``fill_chunk`` tokens at a time, each chunk followed by one decode-style
-    attend so that the policy demotes down to the budget as it goes (no quadratic prefill).
-    """
-    from tierattn.cache import TieredKVCache
-    from tierattn.config import TierConfig
-
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    max_context = context + warmup + steps
-    cfg = TierConfig.preset("offload", **{"hot_budget": hot_budget, "max_context": max_context,
-                                          "prefill_chunk_size": fill_chunk, **config})
-    cache = TieredKVCache(cfg, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                          head_dim=head_dim, batch_size=1, dtype=dtype, device=dev)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dev, dtype)
-
-    pos = 0
-    while pos < context:
-        t = min(fill_chunk, context - pos)
-        for layer in range(num_layers):
-            cache.update(layer, rand(1, num_kv_heads, t, head_dim),
-                         rand(1, num_kv_heads, t, head_dim))
-            cache.attend(layer, rand(1, num_q_heads, 1, head_dim))
-        pos += t
-    # the step's inputs are drawn up front: only the runtime's calls run inside the step
-    inputs = [[(rand(1, num_kv_heads, 1, head_dim), rand(1, num_kv_heads, 1, head_dim),
-                rand(1, num_q_heads, 1, head_dim)) for _ in range(num_layers)]
-              for _ in range(warmup + steps)]
-
-    def step(i: int) -> None:
-        for layer, (k, v, q) in enumerate(inputs[i]):
-            cache.update(layer, k, v)
-            cache.attend(layer, q)
-
-    out = attend_host_overhead(cache, step, steps, warmup=warmup, sync=sync)
-    stats = cache.stats()["total"]
-    out.update(context=context, hot_budget=hot_budget, num_layers=num_layers,
-               num_kv_heads=num_kv_heads, num_q_heads=num_q_heads, head_dim=head_dim,
-               dtype=str(dtype).removeprefix("torch."), device=str(dev),
-               resident_fraction=stats["resident_fraction"],
-               copy_launches_per_layer_per_step=stats.get("copy_launches_per_layer_per_step"))
     return out
 
 
@@ -444,16 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--contexts", default="", help="also measure synthetic_host_overhead at "
-                   "these contexts (comma-separated tokens, Llama-8B-shaped KV, 1 layer)")
-    p.add_argument("--hot", type=float, default=1.0, help="hot budget of --contexts")
     args = p.parse_args(argv)
     out = reasoner_step_times(prompt_tokens=args.prompt_tokens, steps=args.steps,
                               repeats=args.repeats, batch=args.batch, threads=args.threads)
-    if args.contexts:
-        with _threads(args.threads):
-            out["synthetic"] = [synthetic_host_overhead(int(c), hot_budget=args.hot)
-                                for c in args.contexts.split(",") if c]
     print(json.dumps(out, indent=1, default=str))
     return 0
 

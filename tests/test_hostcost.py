@@ -18,7 +18,6 @@ from tierattn.eval.hostcost import (
     KernelTimer,
     attend_host_overhead,
     reasoner_step_times,
-    synthetic_host_overhead,
 )
 
 
@@ -95,14 +94,6 @@ def test_attend_host_overhead_fields():
                 "step_wall_us_median"):
         assert math.isfinite(out[key]) and out[key] > 0
     assert 0 < out["attend_host_fraction"] <= 1
-
-
-def test_synthetic_host_overhead_small():
-    out = synthetic_host_overhead(200, hot_budget=0.5, num_kv_heads=2, num_q_heads=4,
-                                  head_dim=8, steps=2, warmup=1, fill_chunk=64, device="cpu")
-    assert out["context"] == 200 and out["attend_calls"] == 2
-    assert out["resident_fraction"]["ddr"] > 0
-    assert math.isfinite(out["attend_host_us_median"])
 
 
 def test_reasoner_step_times_fields():

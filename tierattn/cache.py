@@ -24,6 +24,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import chain
 from pathlib import Path
 
@@ -94,7 +95,10 @@ class _Staged:
     pages: list[list[int]] = field(default_factory=list)
     slots: list[list[int]] = field(default_factory=list)
 
+    @cached_property
     def entries(self) -> _Entries:
+        """The batch's pages as table entries (built once: read only after the batch is
+        yielded, when its lists no longer change)."""
         return _Entries.from_lists(self.pages)
 
 
@@ -474,7 +478,7 @@ class TieredKVCache:
         for run in self._fetch(layer, need, buffer):
             table = self._staged_table(run)
             pool = self.staging[run.buffer]
-            first = self._first_lane(run.entries(), lane_from)
+            first = self._first_lane(run.entries, lane_from)
             if decode:
                 parts.append(sparse_decode(q1, pool, table, sm_scale=scale, softcap=softcap,
                                            return_page_mass=want_mass, validate=False,
@@ -500,7 +504,7 @@ class TieredKVCache:
         want_snap = not decode and cfg.evict_budget != 0 and cfg.evict_policy == "snapkv"
         if decode and want_mass:
             for part, (run, table) in zip(parts, [(None, hot_table)] + staged_runs):
-                pages = hot_pages if run is None else run.entries()
+                pages = hot_pages if run is None else run.entries
                 mass = decode_page_mass(part.page_lse, lse, table, self.num_kv_heads,
                                         backend=self.backend)
                 self._add_importance(pages, mass.sum(-1), st.mass)
@@ -513,11 +517,11 @@ class TieredKVCache:
                                      **{**imp, "mass": want_mass and parts[0].page_mass is None})
             if len(staged_runs) == 1:
                 run, table = staged_runs[0]
-                self._prefill_importance(layer, table, run.entries(), self.staging[run.buffer],
+                self._prefill_importance(layer, table, run.entries, self.staging[run.buffer],
                                          False, **imp)
             elif staged_runs:  # batches reused the buffer: stream the cold pages once more
                 for run in self._fetch(layer, need, buffer):
-                    self._prefill_importance(layer, self._staged_table(run), run.entries(),
+                    self._prefill_importance(layer, self._staged_table(run), run.entries,
                                              self.staging[run.buffer], False, **imp)
                     self._fence = self.engine.fence()
             if want_snap:
@@ -694,7 +698,8 @@ class TieredKVCache:
         dst_pool = self.staging[buffer]
         for ti in tiers:
             sel = (src_tier == ti) if len(tiers) > 1 else slice(None)
-            src, dst, n = src_slot[sel], slots[sel], int(src_slot[sel].numel())
+            src, dst = src_slot[sel], slots[sel]
+            n = src.numel()
             tier = self.tiers[ti]
             if isinstance(tier, MemoryTier):
                 ticket = self.engine.copy(
