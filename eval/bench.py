@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tierattn.cache import HOT, TieredKVCache
+from tierattn.cache import TieredKVCache
 from tierattn.config import TierConfig
 from tierattn.eval.hostcost import KernelTimer
 from tierattn.eval.report import format_table, new_results_dir, save_json, write_csv
@@ -231,7 +231,7 @@ def _config(spec: BenchSpec, context: int, mode: str, budget: float, backend: st
 
 
 def _cold_pages(cache: TieredKVCache) -> int:
-    return sum(int((st.tier > HOT).sum()) for st in cache.layers)
+    return sum(n for layer in cache.residency() for kind, n in layer.items() if kind != "hbm")
 
 
 def fill_by_chunks(cache: TieredKVCache, context: int, chunk: int,

@@ -3,11 +3,12 @@ step time of the tiny reasoner against transformers' own attention, measured sid
 
 Two tools:
 
-* :class:`KernelTimer` (a context manager) wraps the kernel entry points :mod:`tierattn.cache`
-  calls, the page-copy launcher the transfer engines call, and a cache's ``attend``/``update``
-  with timing wrappers -- instrumentation, not mocks: the real functions still run -- and
-  restores them on exit. ``attend`` wall time minus the time spent inside kernel and copy calls
-  is the host orchestration of the tiered runtime (tables, policy, telemetry, small torch ops).
+* :class:`KernelTimer` (a context manager) wraps the kernel entry points of a cache
+  (``cache.kernels``: every kernel and page-copy launch of the runtime and its transfer engine
+  goes through that one object) and the cache's ``attend``/``update`` with timing wrappers --
+  instrumentation, not mocks: the real functions still run -- and restores them on exit.
+  ``attend`` wall time minus the time spent inside kernel and copy calls is the host
+  orchestration of the tiered runtime (tables, policy, telemetry, small torch ops).
   :func:`attend_host_overhead` runs a decode step function under it and reports that per layer
   per decode step (``tierattn bench`` uses the timer on Llama-8B-shaped KV at 4K..128K).
 * :func:`reasoner_step_times` times one greedy decode step (a forward of one token with the
@@ -33,13 +34,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from tierattn.kernels import KernelSet
+
 __all__ = ["KERNEL_NAMES", "KernelTimer", "attend_host_overhead", "reasoner_step_times"]
 
-#: the kernel entry points tierattn.cache imports (module globals it calls by name)
-KERNEL_NAMES = ("sparse_decode", "decode_page_mass", "merge_states", "page_metadata",
-                "paged_prefill", "paged_prefill_mass", "quest_score")
-#: the page-copy launcher every transfer engine calls (tierattn.transfer.copy_pages)
-COPY_NAME = "copy_pages"
+#: the kernel entry points the runtime calls through ``cache.kernels``
+KERNEL_NAMES = KernelSet.names()
 
 
 def _cuda_sync_needed(sync: bool | None) -> bool:
@@ -53,18 +53,17 @@ class KernelTimer:
 
     ``with KernelTimer(cache) as kt: ...`` replaces, for the duration of the block:
 
-    * the kernel entry points in :mod:`tierattn.cache`'s namespace (:data:`KERNEL_NAMES`) and
-      ``copy_pages`` in :mod:`tierattn.transfer`'s namespace (the page-copy launch of every
-      engine) by wrappers that call the original and add the call's wall time -- these are
-      module-wide, so every cache in the process is instrumented while the block runs;
-    * if ``cache`` (a :class:`~tierattn.cache.TieredKVCache`) is given, its ``attend`` and
-      ``update`` (instance attributes, so only that cache) by wrappers that record each call's
-      wall time and the kernel/copy time spent inside it.
+    * every kernel entry point of ``cache.kernels`` (:data:`KERNEL_NAMES`, the page copies of
+      its transfer engine included) by a wrapper that calls the original and adds the call's
+      wall time;
+    * the cache's ``attend`` and ``update`` (instance attributes, so only that cache) by
+      wrappers that record each call's wall time and the kernel/copy time spent inside it.
 
     Everything is restored on exit, also after an exception. Not re-entrant across threads.
 
     Args:
-        cache: the runtime whose ``attend``/``update`` calls are split into kernel and host time.
+        cache: the :class:`~tierattn.cache.TieredKVCache` whose calls are split into kernel and
+            host time.
         sync: synchronize CUDA before and after every wrapped call, so that a kernel's device
             time counts as kernel time and not as host time of whoever syncs next (default: when
             CUDA is initialized). It serialises the pipeline: measure step times without it.
@@ -75,7 +74,7 @@ class KernelTimer:
         attend: per ``attend`` call, ``(layer, T, wall_s, kernel_s)``; ``update``: likewise.
     """
 
-    def __init__(self, cache=None, *, sync: bool | None = None) -> None:
+    def __init__(self, cache, *, sync: bool | None = None) -> None:
         self.cache = cache
         self.sync = _cuda_sync_needed(sync)
         self.kernel_s = 0.0
@@ -121,20 +120,14 @@ class KernelTimer:
         setattr(owner, name, new)
 
     def __enter__(self) -> KernelTimer:
-        import tierattn.cache as cache_mod
-        import tierattn.transfer as transfer_mod
-
+        c = self.cache
         try:
             for name in KERNEL_NAMES:
-                self._replace(cache_mod, name, self._wrap_kernel(name, getattr(cache_mod, name)))
-            self._replace(transfer_mod, COPY_NAME,
-                          self._wrap_kernel(COPY_NAME, getattr(transfer_mod, COPY_NAME)))
-            if self.cache is not None:
-                c = self.cache
-                self._replace(c, "attend", self._wrap_call(c.attend, self.attend,
-                                                           lambda q: q.shape[2]))
-                self._replace(c, "update", self._wrap_call(c.update, self.update,
-                                                           lambda k: k.shape[2]))
+                self._replace(c.kernels, name, self._wrap_kernel(name, getattr(c.kernels, name)))
+            self._replace(c, "attend", self._wrap_call(c.attend, self.attend,
+                                                       lambda q: q.shape[2]))
+            self._replace(c, "update", self._wrap_call(c.update, self.update,
+                                                       lambda k: k.shape[2]))
         except BaseException:
             self._restore()
             raise

@@ -15,6 +15,7 @@ from tierattn.kernels.decode import (
 from tierattn.kernels.merge import merge_state, merge_states, merge_states_reference
 from tierattn.kernels.metadata import page_metadata, page_metadata_reference
 from tierattn.kernels.page_table import PageTable
+from tierattn.kernels.kernel_set import KernelSet
 from tierattn.kernels.prefill import (
     PrefillOutput,
     paged_prefill,
@@ -25,6 +26,7 @@ from tierattn.kernels.score import quest_score, quest_score_reference
 
 __all__ = [
     "DecodeOutput",
+    "KernelSet",
     "PageTable",
     "PrefillOutput",
     "copy_pages",

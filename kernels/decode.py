@@ -33,7 +33,7 @@ from ._common import (
     next_pow2,
     resolve_backend,
 )
-from .autotune import check_config, resolve_config
+from .tuning import check_config, resolve_config
 from .merge import _merge_kernel
 from .page_table import PageTable, check_paged_attention_args
 
@@ -218,7 +218,7 @@ def _default_config(head_dim: int) -> dict[str, int]:
 
 
 def _key_sizes(q: torch.Tensor, kv_pool: torch.Tensor, page_table: PageTable) -> dict:
-    """Sizes of the tuned-table key (:func:`.autotune.bucket_key`), from host-known shapes."""
+    """Sizes of the tuned-table key (:func:`.tuning.bucket_key`), from host-known shapes."""
     batch, hq, d = q.shape
     page_size, hkv = kv_pool.shape[2], kv_pool.shape[3]
     ctx = page_table.indices.numel() * page_size // max(1, page_table.num_rows)
@@ -345,7 +345,7 @@ def sparse_decode(
         first_lane: optional ``[nnz]`` int32: the tokens of entry ``e`` before lane
             ``first_lane[e]`` are masked (left padding); 0 masks nothing.
         config: explicit launch parameters ``block_n``, ``num_warps``, ``num_stages`` (see
-            :mod:`.autotune`); with it or ``block_n`` the tuned table is not consulted.
+            :mod:`.tuning`); with it or ``block_n`` the tuned table is not consulted.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
 
     Returns:

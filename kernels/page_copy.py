@@ -30,7 +30,7 @@ from ._common import (
     resolve_backend,
     triton_interpreting,
 )
-from .autotune import check_config, resolve_config
+from .tuning import check_config, resolve_config
 
 __all__ = ["copy_pages", "copy_pages_reference"]
 
@@ -233,7 +233,7 @@ def _default_config() -> dict[str, int]:
 
 
 def _key_sizes(src_pool: torch.Tensor, dst_pool: torch.Tensor, src_slots: torch.Tensor) -> dict:
-    """Sizes of the tuned-table key (:func:`.autotune.bucket_key`), from host-known shapes."""
+    """Sizes of the tuned-table key (:func:`.tuning.bucket_key`), from host-known shapes."""
     return dict(page_bytes=_page_numel(src_pool) * src_pool.element_size(),
                 pages=src_slots.numel(),
                 path=f"{'d' if src_pool.is_cuda else 'h'}2{'d' if dst_pool.is_cuda else 'h'}")
@@ -306,7 +306,7 @@ def copy_pages(
             The runtime, which builds its own slot lists, passes False; the kernel then skips
             pairs with an out-of-range slot.
         config: explicit launch parameters ``block_bytes`` and ``programs_per_sm`` (see
-            :mod:`.autotune`); with it, ``max_programs`` or ``block_bytes`` the tuned table is
+            :mod:`.tuning`); with it, ``max_programs`` or ``block_bytes`` the tuned table is
             not consulted (an explicit ``max_programs`` beats ``programs_per_sm``).
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (indexed copies in one op).
 

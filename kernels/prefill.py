@@ -35,7 +35,7 @@ from ._common import (
     resolve_backend,
     triton_interpreting,
 )
-from .autotune import check_config, resolve_config
+from .tuning import check_config, resolve_config
 from .page_table import PageTable, check_paged_attention_args
 
 __all__ = ["PrefillOutput", "paged_prefill", "paged_prefill_mass", "paged_prefill_reference"]
@@ -250,7 +250,7 @@ def _default_config(head_dim: int) -> dict[str, int]:
 
 
 def _key_sizes(q: torch.Tensor, kv_pool: torch.Tensor, qo_indptr: torch.Tensor) -> dict:
-    """Sizes of the tuned-table key (:func:`.autotune.bucket_key`), from host-known shapes."""
+    """Sizes of the tuned-table key (:func:`.tuning.bucket_key`), from host-known shapes."""
     total_q, hq, d = q.shape
     return dict(d=d, group=hq // kv_pool.shape[3], page_size=kv_pool.shape[2], dtype=q.dtype,
                 q_len=total_q // max(1, qo_indptr.numel() - 1))
@@ -502,7 +502,7 @@ def paged_prefill(
         first_lane: optional ``[nnz]`` int32: the tokens of entry ``e`` before lane
             ``first_lane[e]`` are masked (left padding); 0 masks nothing.
         config: explicit launch parameters ``block_m``, ``block_n``, ``num_warps``,
-            ``num_stages`` (see :mod:`.autotune`); with it, ``block_m`` or ``block_n`` the
+            ``num_stages`` (see :mod:`.tuning`); with it, ``block_m`` or ``block_n`` the
             tuned table is not consulted.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
 

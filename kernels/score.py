@@ -34,7 +34,7 @@ from ._common import (
     next_pow2,
     resolve_backend,
 )
-from .autotune import check_config, resolve_config
+from .tuning import check_config, resolve_config
 from .page_table import PageTable
 
 __all__ = ["quest_score", "quest_score_reference", "auto_score_splits", "GROUP_REDUCES"]
@@ -115,7 +115,7 @@ def _default_config(group: int, head_dim: int) -> dict[str, int]:
 
 
 def _key_sizes(q: torch.Tensor, kmin: torch.Tensor, page_table: PageTable) -> dict:
-    """Sizes of the tuned-table key (:func:`.autotune.bucket_key`), from host-known shapes."""
+    """Sizes of the tuned-table key (:func:`.tuning.bucket_key`), from host-known shapes."""
     batch, hq, d = q.shape
     hkv = kmin.shape[1]
     return dict(d=d, group=hq // hkv, dtype=q.dtype,
@@ -239,7 +239,7 @@ def quest_score(
             in ``0..num_meta-1`` (one host sync on CUDA). With False, out-of-range ids read
             nothing and score ``-inf``.
         config: explicit launch parameters ``block_e`` (metadata rows per tile) and
-            ``num_warps`` (see :mod:`.autotune`); without it, CUDA launches use the tuned table
+            ``num_warps`` (see :mod:`.tuning`); without it, CUDA launches use the tuned table
             and fall back to ``BLOCK_E`` from ``TILE_ELEMENTS``.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (the reference, in fp32).
 

@@ -10,6 +10,7 @@ import torch
 
 from tierattn.errors import KernelInputError, KernelUnsupportedError, TierConfigError
 from tierattn.kernels import autotune as at
+from tierattn.kernels import tuning as tn
 from tierattn.kernels._common import default_tiles
 from tierattn.kernels.decode import sparse_decode
 from tierattn.kernels.page_copy import copy_pages
@@ -29,10 +30,10 @@ LLAMA_DECODE = dict(d=128, group=4, page_size=16, dtype=torch.bfloat16, ctx=3276
 
 @pytest.fixture(autouse=True)
 def _fresh_tables(monkeypatch):
-    monkeypatch.delenv(at.ENV_VAR, raising=False)
-    at.clear_cache()
+    monkeypatch.delenv(tn.ENV_VAR, raising=False)
+    tn.clear_cache()
     yield
-    at.clear_cache()
+    tn.clear_cache()
 
 
 def _entry(config, us=10.0):
@@ -45,28 +46,28 @@ def _table(entries, gpu="Fake GPU"):
 
 
 def test_config_spaces_are_declared_valid_and_pruned():
-    for kernel in at.KERNELS:
-        space = at.config_space(kernel)
-        assert space and all(at.check_config(kernel, c) == c for c in space)
+    for kernel in tn.KERNELS:
+        space = tn.config_space(kernel)
+        assert space and all(tn.check_config(kernel, c) == c for c in space)
         assert len(space) == len({json.dumps(c, sort_keys=True) for c in space})
     # pruning for a problem's sizes: tiles below the padded page, oversized tiles, dead blocks
-    assert {c["block_n"] for c in at.config_space("decode", page_size=64)} == {64, 128}
-    assert {c["block_n"] for c in at.config_space("decode", d=256)} == {16, 32, 64}
-    assert all(c["block_m"] * c["block_n"] <= 64 * 64 for c in at.config_space("prefill", d=256))
-    assert {c["block_bytes"] for c in at.config_space("copy", page_bytes=3000)} == {2048, 4096}
+    assert {c["block_n"] for c in tn.config_space("decode", page_size=64)} == {64, 128}
+    assert {c["block_n"] for c in tn.config_space("decode", d=256)} == {16, 32, 64}
+    assert all(c["block_m"] * c["block_n"] <= 64 * 64 for c in tn.config_space("prefill", d=256))
+    assert {c["block_bytes"] for c in tn.config_space("copy", page_bytes=3000)} == {2048, 4096}
     with pytest.raises(KernelInputError, match="unknown"):
-        at.config_space("decode", head_dim=128)
+        tn.config_space("decode", head_dim=128)
     with pytest.raises(KernelInputError, match="kernel='attention'"):
-        at.config_space("attention")
+        tn.config_space("attention")
 
 
-@pytest.mark.parametrize("kernel", at.KERNELS)
+@pytest.mark.parametrize("kernel", tn.KERNELS)
 def test_configs_run_through_the_launchers(kernel, device, seed):
     """The default and a spread of the space's tile shapes pass the sweep's own check."""
     prob = at.make_problem(kernel, TINY[kernel], device, seed=seed)
-    assert prob.default == at.check_config(kernel, prob.default)
+    assert prob.default == tn.check_config(kernel, prob.default)
     by_tile = {}
-    for c in at.config_space(kernel, **prob.sizes):
+    for c in tn.config_space(kernel, **prob.sizes):
         by_tile.setdefault(tuple(c[p] for p in TILES[kernel]), c)
     tiles = list(by_tile.values())
     picks = [prob.default] + tiles[:: max(1, len(tiles) // 3)][:4]
@@ -90,26 +91,26 @@ def test_check_rejects_wrong_results_and_restores_in_place_state(device):
 
 
 def test_bucket_keys_are_stable_and_monotone():
-    assert at.bucket_key("decode", **LLAMA_DECODE) == \
+    assert tn.bucket_key("decode", **LLAMA_DECODE) == \
         "d=128,g=4,ps=16,dtype=bf16,ctx<=32768,rows<=64"
-    assert at.bucket_key("decode", **{**LLAMA_DECODE, "dtype": "bf16"}) == \
-        at.bucket_key("decode", **LLAMA_DECODE)
-    assert at.bucket_key("score", d=128, group=4, dtype=torch.bfloat16, entries=256, rows=8) == \
+    assert tn.bucket_key("decode", **{**LLAMA_DECODE, "dtype": "bf16"}) == \
+        tn.bucket_key("decode", **LLAMA_DECODE)
+    assert tn.bucket_key("score", d=128, group=4, dtype=torch.bfloat16, entries=256, rows=8) == \
         "d=128,g=4,dtype=bf16,entries<=512,rows<=8"
-    assert at.bucket_key("prefill", d=128, group=4, page_size=16, dtype=torch.float16,
+    assert tn.bucket_key("prefill", d=128, group=4, page_size=16, dtype=torch.float16,
                          q_len=2048) == "d=128,g=4,ps=16,dtype=fp16,qlen<=4096"
-    assert at.bucket_key("copy", page_bytes=65536, path="h2d", pages=9000) == \
+    assert tn.bucket_key("copy", page_bytes=65536, path="h2d", pages=9000) == \
         "bytes=65536,path=h2d,pages>4096"
     # bucket edges only grow with the size, and a key changes only at an edge
     order = []
     for ctx in range(1, 400_000, 997):
-        key = at.bucket_key("decode", **{**LLAMA_DECODE, "ctx": ctx})
+        key = tn.bucket_key("decode", **{**LLAMA_DECODE, "ctx": ctx})
         if not order or order[-1] != key:
             order.append(key)
     assert [k.split(",")[4] for k in order] == [
         "ctx<=512", "ctx<=4096", "ctx<=32768", "ctx<=262144", "ctx>262144"]
     with pytest.raises(KernelInputError, match="missing"):
-        at.bucket_key("decode", d=128)
+        tn.bucket_key("decode", d=128)
 
 
 def test_table_round_trip_and_merge(tmp_path):
@@ -117,11 +118,11 @@ def test_table_round_trip_and_merge(tmp_path):
     first = _table({"decode": {"k1": _entry({"block_n": 32, "num_warps": 4}),
                                "k2": _entry({"block_n": 16})}})
     at.save_tuned(path, first)
-    assert at.load_tuned(path) == first
+    assert tn.load_tuned(path) == first
     second = _table({"decode": {"k2": _entry({"block_n": 64, "num_stages": 2})},
                      "copy": {"k3": _entry({"block_bytes": 4096, "programs_per_sm": 2})}})
     merged = at.save_tuned(path, second)
-    assert at.load_tuned(path) == merged
+    assert tn.load_tuned(path) == merged
     assert merged["entries"]["decode"]["k1"]["config"] == {"block_n": 32, "num_warps": 4}
     assert merged["entries"]["decode"]["k2"]["config"] == {"block_n": 64, "num_stages": 2}
     assert set(merged["entries"]) == {"decode", "copy"}
@@ -144,57 +145,57 @@ def test_malformed_tables_raise_naming_the_file(tmp_path, text, match):
     path = tmp_path / "bad.json"
     path.write_text(text)
     with pytest.raises(TierConfigError, match=match) as e:
-        at.load_tuned(path)
+        tn.load_tuned(path)
     assert str(path) in str(e.value)
 
 
 def test_env_selects_the_lookup_mode(tmp_path, monkeypatch):
-    key = at.bucket_key("decode", **LLAMA_DECODE)
+    key = tn.bucket_key("decode", **LLAMA_DECODE)
     table = tmp_path / "mine.json"
     at.save_tuned(table, _table({"decode": {key: _entry({"block_n": 32, "num_stages": 2})}}))
     fake = dict(gpu_name="Fake GPU")
-    assert at.tuned_config("decode", key, **fake) is None  # no packaged table for this GPU
-    monkeypatch.setattr(at, "TUNED_DIR", tmp_path)
+    assert tn.tuned_config("decode", key, **fake) is None  # no packaged table for this GPU
+    monkeypatch.setattr(tn, "TUNED_DIR", tmp_path)
     (tmp_path / "fake-gpu.json").write_text(table.read_text())
-    at.clear_cache()  # tables are read once per process
-    assert at.tuned_config("decode", key, **fake) == {"block_n": 32, "num_stages": 2}
-    assert at.tuned_config("decode", "d=64,other", **fake) is None
-    assert at.tuned_config("decode", key, "cpu") is None  # no lookup off CUDA
-    monkeypatch.setenv(at.ENV_VAR, "off")
-    assert at.tuned_config("decode", key, **fake) is None
-    monkeypatch.setattr(at, "TUNED_DIR", tmp_path / "none")
-    monkeypatch.setenv(at.ENV_VAR, str(table))
-    assert at.tuned_config("decode", key, gpu_name="Any GPU") == {"block_n": 32, "num_stages": 2}
+    tn.clear_cache()  # tables are read once per process
+    assert tn.tuned_config("decode", key, **fake) == {"block_n": 32, "num_stages": 2}
+    assert tn.tuned_config("decode", "d=64,other", **fake) is None
+    assert tn.tuned_config("decode", key, "cpu") is None  # no lookup off CUDA
+    monkeypatch.setenv(tn.ENV_VAR, "off")
+    assert tn.tuned_config("decode", key, **fake) is None
+    monkeypatch.setattr(tn, "TUNED_DIR", tmp_path / "none")
+    monkeypatch.setenv(tn.ENV_VAR, str(table))
+    assert tn.tuned_config("decode", key, gpu_name="Any GPU") == {"block_n": 32, "num_stages": 2}
     for bad in ("on", "1", str(tmp_path / "missing.json")):
-        monkeypatch.setenv(at.ENV_VAR, bad)
-        with pytest.raises(TierConfigError, match=at.ENV_VAR):
-            at.tuned_config("decode", key, **fake)
+        monkeypatch.setenv(tn.ENV_VAR, bad)
+        with pytest.raises(TierConfigError, match=tn.ENV_VAR):
+            tn.tuned_config("decode", key, **fake)
     (tmp_path / "broken.json").write_text("{}")
-    monkeypatch.setenv(at.ENV_VAR, str(tmp_path / "broken.json"))
+    monkeypatch.setenv(tn.ENV_VAR, str(tmp_path / "broken.json"))
     with pytest.raises(TierConfigError, match="broken.json"):
-        at.tuned_config("decode", key, **fake)
+        tn.tuned_config("decode", key, **fake)
 
 
 def test_explicit_args_beat_tuned_entries(tmp_path, monkeypatch):
     defaults = {"block_n": 64, "num_warps": 4}
     tuned = {"block_n": 32, "num_stages": 2}
-    assert at.merge_config(defaults, None, {"block_n": None}) == defaults
-    assert at.merge_config(defaults, tuned, {"block_n": None}) == {**defaults, **tuned}
+    assert tn.merge_config(defaults, None, {"block_n": None}) == defaults
+    assert tn.merge_config(defaults, tuned, {"block_n": None}) == {**defaults, **tuned}
     # an explicit value wins and the tuned whole is dropped (never mixed with a caller's tiles)
-    assert at.merge_config(defaults, tuned, {"block_n": 16}) == {"block_n": 16, "num_warps": 4}
+    assert tn.merge_config(defaults, tuned, {"block_n": 16}) == {"block_n": 16, "num_warps": 4}
     # resolve_config on a (pretend) compiled CUDA launch reads the table only without explicits
-    key = at.bucket_key("decode", **LLAMA_DECODE)
+    key = tn.bucket_key("decode", **LLAMA_DECODE)
     path = tmp_path / "t.json"
     at.save_tuned(path, _table({"decode": {key: _entry(tuned)}}))
-    monkeypatch.setenv(at.ENV_VAR, str(path))
+    monkeypatch.setenv(tn.ENV_VAR, str(path))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cuda = torch.device("cuda", 0)
-    assert at.resolve_config("decode", cuda, defaults, {"block_n": None}, LLAMA_DECODE) == \
+    assert tn.resolve_config("decode", cuda, defaults, {"block_n": None}, LLAMA_DECODE) == \
         {**defaults, **tuned}
-    assert at.resolve_config("decode", cuda, defaults, {"num_warps": 8}, LLAMA_DECODE) == \
+    assert tn.resolve_config("decode", cuda, defaults, {"num_warps": 8}, LLAMA_DECODE) == \
         {"block_n": 64, "num_warps": 8}
     cpu = torch.device("cpu")
-    assert at.resolve_config("decode", cpu, defaults, {"block_n": None}, LLAMA_DECODE) == defaults
+    assert tn.resolve_config("decode", cpu, defaults, {"block_n": None}, LLAMA_DECODE) == defaults
     # untuned defaults are today's launch parameters
     from tierattn.kernels import decode, page_copy, prefill, score
     assert decode._default_config(128) == dict(zip(("block_n", "num_warps"), default_tiles(128)))
@@ -244,8 +245,8 @@ def test_sweep_checks_before_timing_and_keeps_the_winner(device):
     prob, bench = _sweep_problem(device, slow={2048: 40.0, 4096: 30.0}, broken={8192},
                                  raising={4096})
     res = at.tune_problem(prob, bench)
-    assert res["key"] == at.bucket_key("copy", **prob.sizes)
-    assert res["tried"] == len(at.config_space("copy", **prob.sizes)) == 16
+    assert res["key"] == tn.bucket_key("copy", **prob.sizes)
+    assert res["tried"] == len(tn.config_space("copy", **prob.sizes)) == 16
     assert res["rejected"] == 8 and res["checked"] == 8 and not res["cut"]
     # the fast 4 KiB configs raised and were never timed; the broken 8 KiB ones failed the check
     assert res["winner"] == {"block_bytes": 2048, "programs_per_sm": 1}
@@ -278,15 +279,15 @@ def test_sweep_writes_checked_winners_and_a_summary(tmp_path, device, monkeypatc
     path = tmp_path / "fake-gpu.json"
     result = at._sweep("copy", shapes, device, bench, "Fake GPU", path, deadline=None,
                        progress=False)
-    table = at.load_tuned(path)
+    table = tn.load_tuned(path)
     assert result["path"] == str(path) and not result["cut"] and table["gpu"] == "Fake GPU"
     assert set(table["entries"]["copy"]) == set(result["keys"]) and len(result["keys"]) == 2
     for key, entry in table["entries"]["copy"].items():
         assert entry["checked"] and entry["config"] == result["keys"][key]["winner"]
         assert entry["us"] < entry["default_us"] * (1 - at.MIN_GAIN)
-    monkeypatch.setenv(at.ENV_VAR, str(path))
+    monkeypatch.setenv(tn.ENV_VAR, str(path))
     key = next(iter(result["keys"]))
-    assert at.tuned_config("copy", key, gpu_name="Fake GPU") == result["keys"][key]["winner"]
+    assert tn.tuned_config("copy", key, gpu_name="Fake GPU") == result["keys"][key]["winner"]
     text = at.format_summary(result)
     assert key in text and str(path) in text and "x " in text
 
@@ -300,6 +301,6 @@ def test_autotune_without_cuda_raises_a_typed_error(monkeypatch):
 
 
 def test_packaged_tables_are_valid():
-    for path in sorted(at.TUNED_DIR.glob("*.json")):
-        table = at.load_tuned(path)
-        assert at.tuned_path(table["gpu"]) == path, f"{path.name} holds {table['gpu']!r}"
+    for path in sorted(tn.TUNED_DIR.glob("*.json")):
+        table = tn.load_tuned(path)
+        assert tn.tuned_path(table["gpu"]) == path, f"{path.name} holds {table['gpu']!r}"

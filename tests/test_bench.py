@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tierattn.cli import main as cli_main
+from tierattn.eval.cli import main as cli_main
 from tierattn.config import TierConfig
 from tierattn.eval import gpu_check
 from tierattn.eval.bench import BenchSpec, Geometry, load_profile, model_row, run_bench, whole_layer

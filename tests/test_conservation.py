@@ -15,7 +15,8 @@ import random
 import pytest
 import torch
 
-from tierattn.cache import HOT, NONE, TieredKVCache
+from tierattn.cache import TieredKVCache
+from tierattn.pagemap import HOT, NONE
 from tierattn.config import TierConfig, TierSpec
 from tierattn.transfer import FakeAsyncEngine
 
@@ -70,7 +71,7 @@ class Walk:
             out = self.cache.attend(layer, torch.randn(B, HQ, t, D, generator=self.gen))
             assert not torch.isnan(out[torch.tensor(self.alive)]).any()
             evicted = self.cache.telemetry.layers[layer].evicted_tokens - before
-            st = self.cache.layers[layer]
+            st = self.cache.pages.layers[layer]
             # the policy's evictions: adopt them from the page tables, then cross-check counts
             new = 0
             for b in range(B):
@@ -85,7 +86,7 @@ class Walk:
     def pick(self, where):
         cands = []
         for layer in range(L):
-            st = self.cache.layers[layer]
+            st = self.cache.pages.layers[layer]
             n = self.cache.num_pages(layer)
             for b in range(B):
                 if self.alive[b]:
@@ -117,11 +118,11 @@ class Walk:
 
     def prefetch(self):
         layer = self.rng.randrange(L)
-        st = self.cache.layers[layer]
+        st = self.cache.pages.layers[layer]
         n = self.cache.num_pages(layer)
         need = [((st.tier[b, :n] > HOT).nonzero().flatten().tolist() if self.alive[b] else [])
                 for b in range(B)]
-        for run in self.cache._fetch(layer, need, self.rng.randrange(2)):
+        for run in self.cache.prefetcher.fetch(layer, need, self.rng.randrange(2)):
             for b, (pages, slots) in enumerate(zip(run.pages, run.slots)):
                 for pg, sl in zip(pages, slots):
                     got = self.cache.staging[run.buffer][sl].permute(1, 0, 2, 3)

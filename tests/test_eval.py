@@ -156,7 +156,7 @@ def test_oracle_keeps_the_needed_edges_and_drops_the_rest(reasoner):
 
 
 def test_reasoning_eval_end_to_end(reasoner, tmp_path):
-    from tierattn.cli import main
+    from tierattn.eval.cli import main
 
     _, _, folder = reasoner
     argv = ["eval", "reasoning", "--model", str(folder), "--n", "4", "--budgets", "0.5",

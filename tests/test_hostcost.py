@@ -9,8 +9,6 @@ import math
 import pytest
 import torch
 
-import tierattn.cache as cache_mod
-import tierattn.transfer as transfer_mod
 from tierattn.cache import TieredKVCache
 from tierattn.config import TierConfig
 from tierattn.eval.hostcost import (
@@ -21,8 +19,8 @@ from tierattn.eval.hostcost import (
 )
 
 
-def _originals():
-    return ({n: getattr(cache_mod, n) for n in KERNEL_NAMES}, transfer_mod.copy_pages)
+def _originals(cache):
+    return {n: getattr(cache.kernels, n) for n in KERNEL_NAMES}
 
 
 def _cache(hot: float, layers: int = 2) -> TieredKVCache:
@@ -39,16 +37,17 @@ def _cache(hot: float, layers: int = 2) -> TieredKVCache:
 
 def test_kernel_timer_counts_calls_and_restores_originals():
     cache = _cache(hot=1.0)
-    before = _originals()
+    before = _originals(cache)
     k = torch.randn(1, 2, 1, 8)
     with KernelTimer(cache) as kt:
-        assert cache_mod.sparse_decode is not before[0]["sparse_decode"]
+        assert cache.kernels.sparse_decode is not before["sparse_decode"]
+        assert cache.engine.kernels is cache.kernels  # the copies go through the same object
         assert "attend" in vars(cache)
         for layer in range(2):
             cache.update(layer, k, k)
             out = cache.attend(layer, torch.randn(1, 4, 1, 8))
     assert out.shape == (1, 4, 1, 8) and torch.isfinite(out).all()
-    assert _originals() == before
+    assert _originals(cache) == before
     assert "attend" not in vars(cache) and "update" not in vars(cache)
     # everything hot: per layer one metadata update, one decode over the hot set and its page
     # mass; nothing cold, so no copy and no merge
@@ -63,7 +62,7 @@ def test_kernel_timer_counts_calls_and_restores_originals():
 
 def test_kernel_timer_counts_copies_and_restores_after_an_error():
     cache = _cache(hot=0.5)
-    before = _originals()
+    before = _originals(cache)
     launches = cache.engine.launches
     k = torch.randn(1, 2, 1, 8)
     with pytest.raises(RuntimeError, match="boom"), KernelTimer(cache) as kt:
@@ -71,7 +70,7 @@ def test_kernel_timer_counts_copies_and_restores_after_an_error():
             cache.update(layer, k, k)
             cache.attend(layer, torch.randn(1, 4, 1, 8))
         raise RuntimeError("boom")
-    assert _originals() == before and "attend" not in vars(cache)
+    assert _originals(cache) == before and "attend" not in vars(cache)
     # half cold: the hot set and the fetched pages are attended apart and merged
     assert kt.calls["sparse_decode"] == 4 and kt.calls["merge_states"] == 2
     # every page-copy launch of the engine (fetches and demotions) went through the wrapper
@@ -109,4 +108,3 @@ def test_reasoner_step_times_fields():
     assert out["config"]["prompt_tokens"] == 96 and out["config"]["steps"] == 2
     for name in ("tiered_hot100", "tiered_hot50"):
         assert out["host_breakdown"][name]["attend_calls"] == 2 * out["config"]["layers"]
-    assert _originals()[1] is transfer_mod.copy_pages

@@ -120,7 +120,7 @@ def test_left_padded_sequence_is_budgeted_like_its_unpadded_self(name, seed):
         n_pages = math.ceil(cache.length() / 4)
         out = []
         for layer in range(L):
-            tier = cache.layers[layer].tier[1, pad[1] // 4:n_pages]
+            tier = cache.pages.layers[layer].tier[1, pad[1] // 4:n_pages]
             out.append(((tier == 0).nonzero().flatten().tolist(),
                         (tier >= 0).nonzero().flatten().tolist()))
         return out
@@ -142,7 +142,7 @@ def test_full_budget_keeps_every_page_of_a_misaligned_padded_sequence(seed):
     cache.set_padding([0, 6])
     run_loop(cache, shadow, prompt=46, steps=3, hq=HQ, gen=torch.Generator().manual_seed(seed))
     for layer in range(L):
-        assert bool((cache.layers[layer].tier[:, :math.ceil(49 / 4)] >= 0).all())
+        assert bool((cache.pages.layers[layer].tier[:, :math.ceil(49 / 4)] >= 0).all())
     assert cache.stats()["total"]["evicted_tokens"] == 0
 
 
@@ -265,12 +265,12 @@ def test_all_tiers_full_raises_and_leaves_state_untouched(seed):
     gen = torch.Generator().manual_seed(seed)
     k = torch.randn(1, HKV, 40, D, generator=gen)
     cache.update(0, k, k)
-    before = (cache.layers[0].tier.clone(), cache.layers[0].slot.clone(),
+    before = (cache.pages.layers[0].tier.clone(), cache.pages.layers[0].slot.clone(),
               [t.num_free(0) for t in cache.tiers])
     with pytest.raises(KVCapacityError, match="lower tiers have room for 2"):
         cache.attend(0, torch.randn(1, HQ, 40, D, generator=gen))
-    assert torch.equal(cache.layers[0].tier, before[0])
-    assert torch.equal(cache.layers[0].slot, before[1])
+    assert torch.equal(cache.pages.layers[0].tier, before[0])
+    assert torch.equal(cache.pages.layers[0].slot, before[1])
     assert [t.num_free(0) for t in cache.tiers] == before[2]
 
 
@@ -339,7 +339,7 @@ def test_save_and_load_round_trip(tmp_path, seed):
         for b in range(2):
             assert all(torch.equal(x, y) for x, y in zip(cache.gather(layer, b),
                                                          fresh.gather(layer, b)))
-        assert torch.equal(fresh.layers[layer].tier, cache.layers[layer].tier)
+        assert torch.equal(fresh.pages.layers[layer].tier, cache.pages.layers[layer].tier)
     # the restored cache keeps decoding exactly
     run_loop(fresh, shadow, prompt=0, steps=3, hq=HQ, gen=gen,
              check=exact_check(shadow, fresh, 2e-5))

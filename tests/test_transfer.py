@@ -7,7 +7,8 @@ import pytest
 import torch
 from helpers import Shadow, run_loop
 
-from tierattn.cache import RING, TieredKVCache, ring_slot
+from tierattn.cache import TieredKVCache
+from tierattn.prefetch import RING, ring_slot
 from tierattn.config import TierConfig, TierSpec
 from tierattn.transfer import CPUTransferEngine, FakeAsyncEngine
 
@@ -124,11 +125,11 @@ def test_cold_set_larger_than_staging_streams_in_batches_exactly(staging_pages, 
                           staging_pages=staging_pages)
     shadow = Shadow(L, 2, HKV, D, torch.float32)
     gen = torch.Generator().manual_seed(seed)
-    before = cache.layers[0].mass.sum().item()
+    before = cache.importance.mass[0].sum().item()
     run_loop(cache, shadow, prompt=48, steps=8, hq=HQ, gen=gen, chunk=16,
              check=dense_check(shadow))
     assert cache.staging_pages == staging_pages
     # every query head distributes a probability mass of 1 over the pages it attends
     tokens = 48 + 8
-    total_mass = cache.layers[0].mass.sum().item() - before
+    total_mass = cache.importance.mass[0].sum().item() - before
     assert total_mass == pytest.approx(2 * HQ * tokens, rel=1e-4)

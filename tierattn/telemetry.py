@@ -55,6 +55,7 @@ class Telemetry:
 
     def __init__(self, num_layers: int) -> None:
         self.layers = [LayerCounters() for _ in range(num_layers)]
+        self.decoding = False  # the current attend is a decode step (counted apart)
 
     def reset(self) -> None:
         self.layers = [LayerCounters() for _ in self.layers]

@@ -17,6 +17,7 @@ of :class:`Tier` in this file and one entry in :func:`build_tier`.
 
 from __future__ import annotations
 
+import math
 import os
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
@@ -24,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from tierattn.config import TierSpec
+from tierattn.config import TierConfig, TierSpec
 from tierattn.errors import KVCapacityError, TierConfigError
 from tierattn.kvfile import expect, kv_file_name, read_kv_file, write_kv_file
 
-__all__ = ["DiskTier", "MemoryTier", "Tier", "available_memory", "build_tier"]
+__all__ = ["DiskTier", "MemoryTier", "Tier", "available_memory", "build_tier", "plan_memory"]
 
 #: nominal bandwidth/latency per tier kind (GB/s, microseconds), not measured here: PCIe Gen5
 #: x16 for host tiers as seen from the GPU, a CXL 2.0 x8 expander, an NVMe SSD. Nothing reads
@@ -231,3 +232,61 @@ def build_tier(spec: TierSpec, *, num_layers: int, capacity: int, page_shape: tu
         return DiskTier(num_layers, capacity, page_shape, dtype, spec.path, fingerprint)
     raise TierConfigError(f"tiers: unknown kind {spec.kind!r}")  # TierSpec already checks
 
+
+
+def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
+                page_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                staging_pages: int | None, ring: int, holds_prompt: bool) -> tuple[list[int], int]:
+    """Slots per layer of each tier and of a staging buffer for a cache of this geometry;
+    refuses, with the numbers, a configuration that does not fit, before anything is allocated.
+
+    Args:
+        staging_pages: slots per staging buffer (None: every cold page of the batch for
+            ``attend="all"``, the recall budget for ``"topk"``).
+        ring: staging buffers.
+        holds_prompt: the eviction policy keeps the whole prompt until decoding starts.
+
+    Raises:
+        KVCapacityError: the pools, staging ring, metadata and tables exceed 90% of the free
+            memory of a device.
+    """
+    cfg, b, p = config, batch_size, config.page_size
+    mp = math.ceil(cfg.max_context / p)
+    must_hot = cfg.sink_pages + cfg.recent_pages + 1
+    hot_max = max(cfg.pages(cfg.hot_budget, mp, cfg.max_context), must_hot)
+    headroom = math.ceil(cfg.prefill_chunk_size / p) + 1
+    if len(cfg.tiers) == 1 and holds_prompt:
+        hot_max = mp  # nowhere to demote: the whole prompt stays until it is compressed
+    default = {"hbm": b * min(mp, hot_max + headroom), "ddr": b * mp, "cxl": b * mp,
+               "disk": b * mp}
+    capacities = [spec.capacity_pages if spec.capacity_pages is not None else
+                  default[spec.kind] for spec in cfg.tiers]
+    cold_max = b * max(0, mp - must_hot)
+    if staging_pages is None:
+        recall = cfg.pages(cfg.recall_budget, mp, cfg.max_context)
+        staging_pages = cold_max if cfg.attend == "all" else b * max(1, recall)
+    staging_pages = max(1, min(staging_pages, max(1, cold_max)))
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    page_bytes = math.prod(page_shape) * itemsize
+    rows = b * mp
+    need: dict[str, list[tuple[str, int]]] = {}
+    dev = "cuda" if device.type == "cuda" else "cpu"
+    for spec, cap in zip(cfg.tiers, capacities):
+        if spec.kind != "disk":
+            where = dev if spec.kind == "hbm" else "cpu"
+            need.setdefault(where, []).append((f"{spec.kind} pool", num_layers * cap * page_bytes))
+    need.setdefault(dev, []).extend([
+        ("staging ring", ring * staging_pages * page_bytes),
+        ("page metadata", 2 * num_layers * rows * page_shape[2] * page_shape[3] * itemsize)])
+    need.setdefault("cpu", []).append(("page tables", num_layers * rows * 10))
+    for where, items in need.items():
+        total = sum(n for _, n in items)
+        have = available_memory(device if where == "cuda" else torch.device("cpu"))
+        if total > 0.9 * have:
+            parts = ", ".join(f"{name} {n / 2**30:.2f} GiB" for name, n in items)
+            raise KVCapacityError(
+                f"the cache needs {total / 2**30:.2f} GiB on {where} ({parts}) but only "
+                f"{have / 2**30:.2f} GiB is available (at most 90% may be used); lower "
+                "max_context, batch_size or the tiers' capacity_pages.")
+    return capacities, staging_pages

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tierattn.kernels import copy_pages
+from tierattn.kernels import KernelSet
 
 __all__ = ["CPUTransferEngine", "CUDATransferEngine", "FakeAsyncEngine", "TransferEngine",
            "default_engine"]
@@ -35,6 +35,9 @@ class TransferEngine(ABC):
     def __init__(self, backend: str | None = None) -> None:
         self.backend = backend
         self.launches = 0
+        #: the page-copy kernel is called through this (the cache sets its own, so a tool that
+        #: wraps or stubs the cache's kernels covers the copies too)
+        self.kernels = KernelSet()
 
     @abstractmethod
     def copy(self, src_pool: torch.Tensor, src_slots: torch.Tensor, dst_pool: torch.Tensor,
@@ -57,8 +60,8 @@ class CPUTransferEngine(TransferEngine):
 
     def copy(self, src_pool, src_slots, dst_pool, dst_slots, *, after=None):
         if src_slots.numel():
-            copy_pages(src_pool, src_slots, dst_pool, dst_slots, validate=False,
-                       backend=self.backend)
+            self.kernels.copy_pages(src_pool, src_slots, dst_pool, dst_slots, validate=False,
+                                    backend=self.backend)
             self.launches += 1
         return None
 
@@ -85,8 +88,8 @@ class CUDATransferEngine(TransferEngine):
         if after is not None:
             self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
-            copy_pages(src_pool, src_slots, dst_pool, dst_slots, validate=False,
-                       backend=self.backend)
+            self.kernels.copy_pages(src_pool, src_slots, dst_pool, dst_slots, validate=False,
+                                    backend=self.backend)
             done = torch.cuda.Event()
             done.record(self.stream)
         for t in (src_slots, dst_slots):
@@ -146,8 +149,8 @@ class FakeAsyncEngine(TransferEngine):
         return self._next
 
     def _land(self, p: _Pending) -> None:
-        copy_pages(p.src_pool, p.src_slots, p.dst_pool, p.dst_slots, validate=False,
-                   backend=self.backend)
+        self.kernels.copy_pages(p.src_pool, p.src_slots, p.dst_pool, p.dst_slots,
+                                validate=False, backend=self.backend)
         self._pending.remove(p)
         self.landed += 1
 

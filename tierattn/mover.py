@@ -1,0 +1,267 @@
+"""Mover: every movement of a page between tiers, through one batched path.
+
+One primitive, :meth:`Mover.copy`, copies a batch of pages of one layer from one source tier to a
+destination (a tier, or a staging buffer on the device): between two memory pools it is one
+page-copy launch on the transfer engine (on CUDA, the copy kernel reads pinned host pools over
+UVA); with a disk tier on either side it is a validated read and a write. Everything that moves
+pages -- demotion, fetching cold pages into staging, moving a page by hand, reordering sequences,
+reading pages out for ``gather``/``save`` and writing them back on ``load`` -- groups its pages
+by source tier and calls it, then edits the :class:`~tierattn.pagemap.PageMap`. Destination
+slots are always taken before anything changes, so a full hierarchy raises
+:class:`~tierattn.errors.KVCapacityError` with nothing moved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tierattn.errors import KernelInputError, KVCapacityError
+from tierattn.pagemap import HOT, NONE, PageMap
+from tierattn.telemetry import Telemetry
+from tierattn.tiers import MemoryTier, Tier
+from tierattn.transfer import TransferEngine
+
+__all__ = ["Mover"]
+
+
+class Mover:
+    """Moves pages between ``tiers`` (fastest first, ``tiers[0]`` is HBM) and edits ``pages``.
+
+    Args:
+        tiers: the cache's tiers.
+        pages: the page map it keeps in step with the data.
+        engine: the transfer engine (memory-to-memory copies).
+        telemetry: counters of bytes and copy launches.
+        device: the compute device (slot lists of engine copies live there).
+    """
+
+    def __init__(self, tiers: list[Tier], pages: PageMap, engine: TransferEngine,
+                 telemetry: Telemetry, device: torch.device) -> None:
+        self.tiers, self.pages, self.engine = tiers, pages, engine
+        self.telemetry, self.device = telemetry, device
+        self.page_size = pages.page_size
+        self.page_bytes = tiers[0].page_bytes
+
+    # --- the one path ------------------------------------------------------------------------
+
+    def copy(self, layer: int, src: int, src_slots: torch.Tensor, token_starts: torch.Tensor,
+             dst: Tier | torch.Tensor, dst_slots: torch.Tensor, *, after: object = None,
+             wait: bool = True) -> object:
+        """Copy pages ``src_slots`` (``[n]`` long, CPU) of tier ``src`` into ``dst_slots`` of
+        ``dst`` (a tier of this layer, or a ``[slots, *page_shape]`` device pool such as a
+        staging buffer). ``token_starts [n]``: first token of each page (disk files record it).
+        Returns the engine's ticket (None when synchronous or already waited on)."""
+        tier = self.tiers[src]
+        dst_tier = dst if isinstance(dst, Tier) else None
+        dst_pool = dst.pool(layer) if isinstance(dst, MemoryTier) else dst
+        if isinstance(tier, MemoryTier) and not (dst_tier is not None and
+                                                 not isinstance(dst_tier, MemoryTier)):
+            ticket = self.engine.copy(
+                tier.pool(layer), src_slots.to(device=self.device, dtype=torch.int32),
+                dst_pool, dst_slots.to(device=self.device, dtype=torch.int32), after=after)
+            if wait:
+                self.engine.wait(ticket)
+                ticket = None
+        elif isinstance(tier, MemoryTier):  # memory -> disk: one indexed read, validated files
+            idx = src_slots.to(device=tier.device, dtype=torch.long)
+            dst_tier.write(layer, dst_slots.tolist(), tier.pool(layer)[idx],
+                           token_starts.tolist())
+            ticket = None
+        else:  # disk -> anywhere: validated reads, then one indexed write
+            data = tier.read(layer, src_slots.tolist(), token_starts.tolist())
+            if dst_tier is not None:
+                dst_tier.write(layer, dst_slots.tolist(), data, token_starts.tolist())
+            else:
+                dst_pool[dst_slots.to(dst_pool.device)] = data.to(dst_pool.device)
+            ticket = None
+        self._count(layer, src, dst_tier, src_slots.numel())
+        return ticket
+
+    def _count(self, layer: int, src: int, dst: Tier | None, n: int) -> None:
+        tel = self.telemetry
+        c = tel.layers[layer]
+        c.copy_launches += 1
+        c.copy_launches_decode += tel.decoding
+        to_device = dst is None or dst is self.tiers[HOT]  # staging, or a promotion
+        if to_device and src != HOT:
+            c.h2d_bytes[self.tiers[src].kind] += n * self.page_bytes
+            if tel.decoding:
+                c.h2d_decode_bytes += n * self.page_bytes
+        elif src == HOT and not to_device:  # out of the device
+            c.d2h_launches_decode += tel.decoding
+            c.d2h_bytes[dst.kind] += n * self.page_bytes
+
+    def _by_tier(self, tiers: torch.Tensor) -> list[tuple[int, torch.Tensor | slice]]:
+        """``(tier, selector)`` per source tier present in ``tiers [n]``, fastest first."""
+        present = torch.unique(tiers).tolist()  # sorted: fastest tier first
+        if len(present) == 1:
+            return [(int(present[0]), slice(None))]
+        return [(int(ti), tiers == ti) for ti in present]
+
+    # --- what the cache does with it ------------------------------------------------------------
+
+    def fetch(self, layer: int, rows: torch.Tensor, cols: torch.Tensor, dst_pool: torch.Tensor,
+              dst_slots: torch.Tensor, *, after: object = None, wait: bool = True) -> list:
+        """Copy the cold pages ``(rows[i], cols[i])`` into ``dst_pool[dst_slots[i]]`` (a staging
+        buffer): one launch per source tier. Returns the tickets (None entries when waited)."""
+        st = self.pages.layers[layer]
+        src_tier, src_slot = st.tier[rows, cols], st.slot[rows, cols].long()
+        tickets = []
+        for ti, sel in self._by_tier(src_tier):
+            tickets.append(self.copy(layer, ti, src_slot[sel], cols[sel] * self.page_size,
+                                     dst_pool, dst_slots[sel], after=after, wait=wait))
+        return tickets
+
+    def demote(self, layer: int, pages: list[tuple[int, int]]) -> None:
+        """Move hot pages ``(sequence, page)`` to the first lower tiers with room: one copy
+        launch per destination tier. All destination slots are taken first, so a full
+        hierarchy raises :class:`KVCapacityError` with nothing changed."""
+        plan, todo = [], list(pages)
+        for ti in range(1, len(self.tiers)):
+            if not todo:
+                break
+            n = min(len(todo), self.tiers[ti].num_free(layer))
+            if n:
+                plan.append((ti, todo[:n], self.tiers[ti].alloc(layer, n)))
+                todo = todo[n:]
+        if todo:
+            for ti, _, slots in plan:
+                self.tiers[ti].release(layer, slots)
+            free = {t.kind: t.num_free(layer) for t in self.tiers[1:]}
+            raise KVCapacityError(
+                f"layer {layer}: {len(pages)} pages must leave HBM but the lower tiers have "
+                f"room for {len(pages) - len(todo)} (free pages per tier: {free}); raise their "
+                "capacity_pages, add a tier, or set evict_budget.")
+        st = self.pages.layers[layer]
+        for ti, items, slots in plan:
+            rows = torch.tensor([b for b, _ in items], dtype=torch.long)
+            cols = torch.tensor([pg for _, pg in items], dtype=torch.long)
+            src = st.slot[rows, cols].long()
+            # the freed HBM slots are rewritten by later kernels: the copy is waited on first
+            self.copy(layer, HOT, src, cols * self.page_size, self.tiers[ti],
+                      torch.tensor(slots, dtype=torch.long))
+            self.telemetry.layers[layer].demoted_pages += len(items)
+            self.tiers[HOT].release(layer, src.tolist())
+            st.tier[rows, cols] = ti
+            st.slot[rows, cols] = torch.tensor(slots, dtype=torch.int32)
+
+    def move(self, layer: int, sequence: int, page: int, tier: int) -> None:
+        """Move one live page to ``tier`` (spill to disk, reload, demote by hand)."""
+        st = self.pages.layers[layer]
+        src_t, src_s = int(st.tier[sequence, page]), int(st.slot[sequence, page])
+        if src_t == NONE:
+            raise KernelInputError(f"page {page} of sequence {sequence} does not exist "
+                                   "(evicted or past the end).")
+        if src_t == tier:
+            return
+        (slot,) = self.tiers[tier].alloc(layer, 1)
+        self.copy(layer, src_t, torch.tensor([src_s]), torch.tensor([page * self.page_size]),
+                  self.tiers[tier], torch.tensor([slot]))
+        self.tiers[src_t].release(layer, [src_s])
+        st.tier[sequence, page], st.slot[sequence, page] = tier, slot
+
+    def drop(self, layer: int, sequence: int, pages: list[int], *, window: bool = False) -> None:
+        """Release ``pages`` of ``sequence``; ``window``: they left a sliding window (counted
+        apart from evictions)."""
+        st = self.pages.layers[layer]
+        cols = torch.tensor(pages, dtype=torch.long)
+        self.release(layer, st.tier[sequence, cols], st.slot[sequence, cols])
+        st.tier[sequence, pages] = NONE
+        st.evicted[sequence, pages] = True
+        c = self.telemetry.layers[layer]
+        if window:
+            c.window_dropped_tokens += len(pages) * self.page_size
+        else:
+            c.evicted_tokens += len(pages) * self.page_size
+
+    def release(self, layer: int, tiers: torch.Tensor, slots: torch.Tensor) -> None:
+        """Give slots ``slots[i]`` of tier ``tiers[i]`` back (``[n]`` tensors; NONE skipped)."""
+        for ti, tier in enumerate(self.tiers):
+            sl = slots[tiers == ti].tolist()
+            if sl:
+                tier.release(layer, sl)
+
+    def free(self, sequence: int) -> None:
+        """Release every page of ``sequence`` in every layer."""
+        for layer, st in enumerate(self.pages.layers):
+            live = st.tier[sequence] != NONE
+            self.release(layer, st.tier[sequence][live], st.slot[sequence][live])
+            st.tier[sequence] = NONE
+
+    def read(self, layer: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Pages ``(rows[i], cols[i])`` as one ``[n, *page_shape]`` CPU tensor, from wherever
+        they live: one read per tier."""
+        st = self.pages.layers[layer]
+        hbm = self.tiers[HOT]
+        out = torch.empty(len(cols), *hbm.page_shape, dtype=hbm.dtype)
+        tiers = st.tier[rows, cols]
+        for ti, tier in enumerate(self.tiers):
+            sel = (tiers == ti).nonzero().flatten()
+            if len(sel):
+                out[sel] = tier.read(layer, st.slot[rows[sel], cols[sel]].tolist(),
+                                     (cols[sel] * self.page_size).tolist()).cpu()
+        return out
+
+    def write(self, layer: int, rows: torch.Tensor, cols: torch.Tensor, tiers: torch.Tensor,
+              data: torch.Tensor) -> None:
+        """Store ``data [n, *page_shape]`` as pages ``(rows[i], cols[i])`` in tier ``tiers[i]``
+        (the map must hold no page there); raises before anything changes if a tier is full."""
+        plan = []
+        for ti, tier in enumerate(self.tiers):
+            sel = (tiers == ti).nonzero().flatten()
+            if len(sel):
+                try:
+                    plan.append((ti, sel, tier.alloc(layer, len(sel))))
+                except KVCapacityError:
+                    for tj, _, slots in plan:
+                        self.tiers[tj].release(layer, slots)
+                    raise
+        st = self.pages.layers[layer]
+        for ti, sel, slots in plan:
+            self.tiers[ti].write(layer, slots, data[sel], (cols[sel] * self.page_size).tolist())
+            st.tier[rows[sel], cols[sel]] = ti
+            st.slot[rows[sel], cols[sel]] = torch.tensor(slots, dtype=torch.int32)
+
+    def reorder(self, index: list[int]) -> None:
+        """Sequence ``i`` becomes old sequence ``index[i]`` (beam search). A sequence chosen
+        twice gets its own copy of every page (in its tier, or the next one with room); one
+        not chosen is freed. Raises :class:`KVCapacityError`, changing nothing, when the
+        copies do not fit."""
+        b = self.pages.batch_size
+        dropped = [s for s in range(b) if s not in index]
+        firsts = {old: new for new, old in reversed(list(enumerate(index)))}
+        dups = [(new, old) for new, old in enumerate(index) if firsts[old] != new]
+        # plan every copy before changing anything: pages of dropped rows free up first
+        plans = []
+        for layer, st in enumerate(self.pages.layers):
+            free = [t.num_free(layer) for t in self.tiers]
+            for old in dropped:
+                for ti in st.tier[old][st.tier[old] != NONE].tolist():
+                    free[ti] += 1
+            copies = []
+            for new, old in dups:
+                for pg in (st.tier[old] != NONE).nonzero().flatten().tolist():
+                    src = int(st.tier[old, pg])
+                    dst = next((t for t in [src] + list(range(len(self.tiers))) if free[t]), None)
+                    if dst is None:
+                        raise KVCapacityError(
+                            f"reorder duplicates sequences {sorted({o for _, o in dups})} but "
+                            f"layer {layer} has no free slot left in any tier for their copies; "
+                            "raise the tiers' capacity_pages.")
+                    free[dst] -= 1
+                    copies.append((new, old, pg, dst))
+            plans.append(copies)
+        rows = torch.tensor(index)
+        for layer, (st, copies) in enumerate(zip(self.pages.layers, plans)):
+            old_tier, old_slot = st.tier.clone(), st.slot.clone()
+            for old in dropped:
+                live = old_tier[old] != NONE
+                self.release(layer, old_tier[old][live], old_slot[old][live])
+            st.tier, st.slot, st.evicted = old_tier[rows], old_slot[rows], st.evicted[rows]
+            for new, old, pg, dst in copies:
+                src_t, src_s = int(old_tier[old, pg]), int(old_slot[old, pg])
+                (slot,) = self.tiers[dst].alloc(layer, 1)
+                self.copy(layer, src_t, torch.tensor([src_s]),
+                          torch.tensor([pg * self.page_size]), self.tiers[dst],
+                          torch.tensor([slot]))
+                st.tier[new, pg], st.slot[new, pg] = dst, slot
