@@ -52,7 +52,7 @@ MAX_AUTO_SPLITS = 16
 @triton.jit
 def _decode_split_kernel(
     q_ptr, kv_ptr, indices_ptr, row_start_ptr, row_count_ptr, last_len_ptr, first_lane_ptr,
-    part_o_ptr, part_lse_ptr, page_lse_ptr,
+    part_o_ptr, part_lse_ptr, page_lse_ptr, lse_index_ptr,
     num_slots, page_size, group, head_dim, num_kv_heads, sm_scale,
     stride_qb, stride_qh,
     stride_kv_slot, stride_kv_kv, stride_kv_tok, stride_kv_head,
@@ -60,7 +60,7 @@ def _decode_split_kernel(
     stride_pl_s, stride_pl_b,
     stride_pg_e,
     HEAD_ROWS: tl.constexpr, RETURN_MASS: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_FIRST_LANE: tl.constexpr,
+    HAS_FIRST_LANE: tl.constexpr, HAS_LSE_INDEX: tl.constexpr,
     P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -133,10 +133,16 @@ def _decode_split_kernel(
             b_ps_safe = tl.where(b_ps > 0, b_ps, 1.0)
             b_page_lse = tl.where(b_ps > 0, b_pm_shift + tl.log(b_ps_safe), float("-inf"))
             o_pe = e0 + tl.arange(0, NP)  # [NP]
+            m_pe = o_pe < e_end
+            # page_lse rows: the entry itself, or the row lse_index names (scattered by page)
+            if HAS_LSE_INDEX:
+                o_dst = tl.load(lse_index_ptr + row_start + o_pe, mask=m_pe, other=0).to(tl.int64)
+            else:
+                o_dst = row_start + o_pe
             # page_lse columns: the group's query heads (per-head rows) or all query heads
             o_col = o_g if HEAD_ROWS else o_qh
-            p_pl = page_lse_ptr + (row_start + o_pe)[None, :] * stride_pg_e + o_col[:, None]
-            tl.store(p_pl, b_page_lse, mask=m_g[:, None] & (o_pe < e_end)[None, :])
+            p_pl = page_lse_ptr + o_dst[None, :] * stride_pg_e + o_col[:, None]
+            tl.store(p_pl, b_page_lse, mask=m_g[:, None] & m_pe[None, :])
 
     b_out = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
     b_lse = tl.where(b_l > 0, b_m + tl.log(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
@@ -248,11 +254,14 @@ def sparse_decode_reference(
     return_page_mass: bool = False,
     compute_dtype: torch.dtype | None = None,
     first_lane: torch.Tensor | None = None,
+    page_lse: torch.Tensor | None = None,
+    page_lse_index: torch.Tensor | None = None,
 ) -> DecodeOutput:
     """Plain-torch :func:`sparse_decode`, one row at a time: gather, softmax, weighted sum.
 
     Computes in ``compute_dtype`` (default: fp32, or fp64 for fp64 inputs) and returns tensors
-    of that dtype.
+    of that dtype. With ``page_lse``/``page_lse_index`` it writes each entry's page LSE into
+    ``page_lse[page_lse_index[e]]`` and returns no mass (see :func:`sparse_decode`).
     """
     batch, hq, d = q.shape
     _, _, page_size, hkv, _ = kv_pool.shape
@@ -265,6 +274,7 @@ def sparse_decode_reference(
     lse = torch.full((batch, hq), float("-inf"), dtype=dt, device=q.device)
     nnz = page_table.indices.numel()
     mass = torch.zeros((nnz,) if head_rows else (nnz, hkv), dtype=dt, device=q.device)
+    scatter = page_lse
     page_lse = torch.full((nnz, group if head_rows else hq), float("-inf"), dtype=dt,
                           device=q.device)
     starts, counts = page_table.row_start.tolist(), page_table.row_count.tolist()
@@ -303,6 +313,14 @@ def sparse_decode_reference(
             else:
                 mass[start:start + count, h] = page_mass
                 page_lse[start:start + count, qh] = plse
+    if scatter is not None:  # every entry's page LSE, scattered to the rows the caller chose
+        counts = page_table.row_count.long()
+        entry = torch.arange(nnz, device=q.device)
+        start = page_table.row_start.long()
+        covered = ((entry[None, :] >= start[:, None]) &
+                   (entry[None, :] < (start + counts)[:, None])).any(0)
+        scatter[page_lse_index.long()[covered]] = page_lse[covered].to(scatter.dtype)
+        return DecodeOutput(out, lse, None, scatter)
     if not return_page_mass:
         return DecodeOutput(out, lse)
     return DecodeOutput(out, lse, mass, page_lse)
@@ -322,6 +340,8 @@ def sparse_decode(
     validate: bool = True,
     block_n: int | None = None,
     first_lane: torch.Tensor | None = None,
+    page_lse: torch.Tensor | None = None,
+    page_lse_index: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     backend: Backend | None = None,
 ) -> DecodeOutput:
@@ -344,13 +364,20 @@ def sparse_decode(
             default: the tuned table's on CUDA, else 64, or 32 for head dims above 128).
         first_lane: optional ``[nnz]`` int32: the tokens of entry ``e`` before lane
             ``first_lane[e]`` are masked (left padding); 0 masks nothing.
+        page_lse: optional ``[N, H_q]`` fp32 buffer (rows per sequence only): each entry's
+            page LSE (per query head) is written to row ``page_lse_index[e]``; other rows are
+            left as they are. A runtime that attends several page lists of one sequence
+            scatters them by logical page into one buffer and forms the page mass once under
+            the merged LSE (:func:`decode_page_mass`). Excludes ``return_page_mass``.
+        page_lse_index: ``[nnz]`` int32 destination rows in ``page_lse`` (distinct within the
+            table's rows), given with ``page_lse``.
         config: explicit launch parameters ``block_n``, ``num_warps``, ``num_stages`` (see
             :mod:`.tuning`); with it or ``block_n`` the tuned table is not consulted.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
 
     Returns:
         :class:`DecodeOutput` with ``out [B, H_q, D]`` and ``lse [B, H_q]`` (fp32) and
-        optionally ``page_mass``.
+        optionally ``page_mass`` (or ``page_lse``, the buffer given).
     """
     batch, hq, d, page_size, hkv, group, head_rows = _check_decode_inputs(
         q, kv_pool, page_table)
@@ -374,13 +401,29 @@ def sparse_decode(
     if first_lane is not None:
         check_tensor("first_lane", first_lane, shape=(nnz,), dtypes=(torch.int32,),
                      device=q.device)
+    if (page_lse is None) != (page_lse_index is None):
+        raise KernelInputError("page_lse and page_lse_index go together: pass both or neither.")
+    if page_lse is not None:
+        if return_page_mass or head_rows:
+            raise KernelInputError(
+                "page_lse= scatters page LSEs of per-sequence rows; it excludes "
+                "return_page_mass=True and page tables with one row per (sequence, KV head).")
+        check_tensor("page_lse", page_lse, ndim=2, dtypes=(torch.float32,), device=q.device)
+        if page_lse.shape[1] != hq or page_lse.stride(-1) != 1:
+            raise KernelInputError(f"page_lse must be [N, H_q={hq}] with unit column stride; "
+                                   f"got {list(page_lse.shape)}.")
+        check_tensor("page_lse_index", page_lse_index, shape=(nnz,), dtypes=(torch.int32,),
+                     device=q.device)
 
     if resolve_backend(backend, q, kv_pool) == "torch":
         ref = sparse_decode_reference(q, kv_pool, page_table, sm_scale=scale, softcap=cap,
                                       return_page_mass=return_page_mass,
-                                      first_lane=first_lane)
+                                      first_lane=first_lane, page_lse=page_lse,
+                                      page_lse_index=page_lse_index)
         out.copy_(ref.out)
         lse.copy_(ref.lse)
+        if page_lse is not None:
+            return DecodeOutput(out, lse, None, page_lse)
         if not return_page_mass:
             return DecodeOutput(out, lse)
         return DecodeOutput(out, lse, ref.page_mass.float(), ref.page_lse.float())
@@ -401,8 +444,10 @@ def sparse_decode(
         part_o = torch.empty(splits, batch, hq, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(splits, batch, hq, dtype=torch.float32, device=q.device)
     cols = group if head_rows else hq
-    page_lse = torch.full((nnz, cols), float("-inf"), dtype=torch.float32, device=q.device) \
-        if return_page_mass else part_lse  # never written when RETURN_MASS is off
+    scatter = page_lse is not None
+    if not scatter:
+        page_lse = torch.full((nnz, cols), float("-inf"), dtype=torch.float32,
+                              device=q.device) if return_page_mass else part_lse  # unused if off
     block_g = max(16, next_pow2(group))
     block_d = max(16, next_pow2(d))
     if batch > 0 and hkv > 0:
@@ -410,15 +455,15 @@ def sparse_decode(
             q, kv_pool, page_table.indices, page_table.row_start, page_table.row_count,
             page_table.last_page_len,
             first_lane.contiguous() if first_lane is not None else page_table.indices,
-            part_o, part_lse, page_lse,
+            part_o, part_lse, page_lse, page_lse_index if scatter else page_table.indices,
             kv_pool.shape[0], page_size, group, d, hkv, scale,
             q.stride(0), q.stride(1),
             kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), kv_pool.stride(3),
             part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1),
             page_lse.stride(0),
-            HEAD_ROWS=head_rows, RETURN_MASS=return_page_mass, SOFTCAP=cap,
-            HAS_FIRST_LANE=first_lane is not None,
+            HEAD_ROWS=head_rows, RETURN_MASS=return_page_mass or scatter, SOFTCAP=cap,
+            HAS_FIRST_LANE=first_lane is not None, HAS_LSE_INDEX=scatter,
             P_PAD=p_pad, BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_D=block_d,
             DOT_PRECISION=dot_precision(q.dtype),
             **{k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg},
@@ -440,6 +485,8 @@ def sparse_decode(
         if lse2.data_ptr() != lse.data_ptr():
             lse.copy_(lse2.view(batch, hq))
 
+    if scatter:
+        return DecodeOutput(out, lse, None, page_lse)
     if not return_page_mass:
         return DecodeOutput(out, lse)
     mass = decode_page_mass(page_lse, lse, page_table, hkv, backend="triton")

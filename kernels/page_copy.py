@@ -303,8 +303,8 @@ def copy_pages(
             the tuned table's on CUDA, else 8 KiB; 64 KiB under the interpreter).
         validate: check slot values on the host (one sync on CUDA): in range, no repeated
             ``dst_slots``, and, when the pools share storage, no page both read and written.
-            The runtime, which builds its own slot lists, passes False; the kernel then skips
-            pairs with an out-of-range slot.
+            The runtime, which builds its own slot lists, passes False; both backends then
+            skip pairs with an out-of-range slot (fixed-capacity lists pad with -1).
         config: explicit launch parameters ``block_bytes`` and ``programs_per_sm`` (see
             :mod:`.tuning`); with it, ``max_programs`` or ``block_bytes`` the tuned table is
             not consulted (an explicit ``max_programs`` beats ``programs_per_sm``).
@@ -331,11 +331,14 @@ def copy_pages(
     width = _raw_width(src_pool, dst_pool)
     src_rows, dst_rows = _raw_rows(src_pool, width), _raw_rows(dst_pool, width)
     if which == "torch":
-        src_idx = src_slots.long()
-        if src_pool.device != device:
-            src_idx = src_idx.to(src_pool.device)
-        pages = src_rows.index_select(0, src_idx)
-        dst_rows.index_copy_(0, dst_slots.long().to(dst_pool.device), pages.to(dst_pool.device))
+        src_idx, dst_idx = src_slots.long(), dst_slots.long()
+        # like the kernel, a pair with an out-of-range slot (e.g. -1 padding) copies nothing
+        ok = (src_idx >= 0) & (src_idx < src_pool.shape[0]) & (dst_idx >= 0) & \
+            (dst_idx < dst_pool.shape[0])
+        if not bool(ok.all()):
+            src_idx, dst_idx = src_idx[ok], dst_idx[ok]
+        pages = src_rows.index_select(0, src_idx.to(src_pool.device))
+        dst_rows.index_copy_(0, dst_idx.to(dst_pool.device), pages.to(dst_pool.device))
         return
     cfg = resolve_config(
         "copy", device, _default_config(),

@@ -118,16 +118,16 @@ class Walk:
 
     def prefetch(self):
         layer = self.rng.randrange(L)
-        st = self.cache.pages.layers[layer]
-        n = self.cache.num_pages(layer)
-        need = [((st.tier[b, :n] > HOT).nonzero().flatten().tolist() if self.alive[b] else [])
-                for b in range(B)]
-        for run in self.cache.prefetcher.fetch(layer, need, self.rng.randrange(2)):
-            for b, (pages, slots) in enumerate(zip(run.pages, run.slots)):
-                for pg, sl in zip(pages, slots):
-                    got = self.cache.staging[run.buffer][sl].permute(1, 0, 2, 3)
-                    want = self.kv[layer][b][pg * P:(pg + 1) * P]
-                    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        cache = self.cache
+        tabs = cache.pages.tables(layer, cache.tiers)
+        mp = cache.max_pages
+        for table, pool in cache.prefetcher.stage(layer, tabs, self.rng.randrange(2)):
+            # staging slot i holds the batch's entry i: page lse_index[i] of the map
+            for i, row in enumerate(table.lse_index[:table.total].tolist()):
+                b, pg = divmod(row, mp)
+                got = pool[i].permute(1, 0, 2, 3)
+                want = self.kv[layer][b][pg * P:(pg + 1) * P]
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
     def free(self):
         alive = [b for b in range(B) if self.alive[b]]

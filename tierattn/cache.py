@@ -8,17 +8,24 @@ precision) or *evicted* (dropped: only when ``evict_budget > 0``). The calls per
     out = cache.attend(layer, q)     # attention of the new queries over the whole cache
 
 ``attend`` runs attention over the hot set (one kernel on the HBM pool) and over the cold pages
-it needs, fetched into a device staging buffer (one page-copy launch per source tier, usually
-already in flight thanks to the layer-ahead prefetcher), merges the two partial states by LSE,
-updates page importance from the kernels' per-page attention mass, and then applies the budgets:
-evict down to ``evict_budget``, demote down to ``hot_budget`` (never the sinks, the recent window
-or the page being filled). Sequences advance in lockstep (a batch decodes one token per step, as
-in HF generation with left padding).
+it needs, staged on the device (one page-copy launch per source tier, usually already in flight
+thanks to the layer-ahead prefetcher), merges the partial states by LSE, adds every page's
+attention mass to its importance, and then applies the budgets: evict down to ``evict_budget``,
+demote down to ``hot_budget`` (never the sinks, the recent window or the page being filled).
+Sequences advance in lockstep (a batch decodes one token per step, as in HF generation with left
+padding).
+
+A decode step reads nothing back from the device: the page tables it needs are fixed-capacity
+device tables (:mod:`~tierattn.pagemap`) advanced in place, recall picks pages on the device, and
+the rare structural work -- a new page, a demotion, an eviction, at most a few times per page
+filled -- decides on the host from the host map and an importance snapshot copied
+asynchronously one step ahead. With ``cuda_graphs`` the step's device work is captured once per
+layer and replayed (:mod:`~tierattn.graphs`).
 
 This class only orchestrates. The parts, one concept per module: :mod:`~tierattn.pagemap` (where
 each page lives), :mod:`~tierattn.mover` (every page movement), :mod:`~tierattn.prefetch`
-(staging ring, layer-ahead prefetch), :mod:`~tierattn.importance` (page mass, Quest metadata),
-:mod:`~tierattn.policy` (demotion, eviction and recall policies; the budgets),
+(staging ring, layer-ahead prefetch, recall), :mod:`~tierattn.importance` (page mass, Quest
+metadata), :mod:`~tierattn.policy` (demotion, eviction and recall policies; the budgets),
 :mod:`~tierattn.snapshot` (save/load). Kernels are called through :attr:`kernels`.
 """
 
@@ -36,7 +43,7 @@ from tierattn.errors import KernelInputError, KVCapacityError
 from tierattn.importance import Importance
 from tierattn.kernels import KernelSet
 from tierattn.mover import Mover
-from tierattn.pagemap import HOT, NONE, PageMap
+from tierattn.pagemap import HOT, NONE, LayerTables, PageMap
 from tierattn.policy import EVICTIONS, Budgets, build_policies
 from tierattn.prefetch import RING, Prefetcher
 from tierattn.telemetry import Telemetry
@@ -59,8 +66,8 @@ class TieredKVCache:
         engine: transfer engine (default: CUDA copy stream on a GPU, synchronous on CPU).
         fingerprint: identifies the model in disk pages and saved caches.
         staging_pages: slots per staging buffer (default: every cold page of the batch for
-            ``attend="all"``, the recall budget for ``"topk"``); larger cold sets are attended
-            in several batches and merged.
+            ``attend="all"``, twice the recall budget for ``"topk"``); larger cold sets are
+            attended in several batches and merged.
         poison_freed: fill every released memory-tier slot with NaN (a debugging aid: a
             later read of a freed slot shows up as NaN; costs one fill per release).
         kernels: the kernel entry points (default: the package's); every component calls
@@ -94,15 +101,6 @@ class TieredKVCache:
             config, num_layers=num_layers, batch_size=batch_size, page_shape=self.page_shape,
             dtype=dtype, device=self.device, staging_pages=staging_pages, ring=RING,
             holds_prompt=EVICTIONS[config.evict_policy].one_shot)
-        self.telemetry = Telemetry(num_layers)
-        self.pages = PageMap(num_layers=num_layers, batch_size=batch_size,
-                             max_pages=self.max_pages, page_size=p, sink_pages=config.sink_pages,
-                             recent_pages=config.recent_pages, device=self.device)
-        self.importance = Importance(self.pages, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                     dtype=dtype, snapkv_window=config.snapkv_window,
-                                     kernels=self.kernels, backend=self.backend,
-                                     telemetry=self.telemetry)
-        self.policies = build_policies(config, self.importance, self.pages)
         self.tiers: list[Tier] = [
             build_tier(spec, num_layers=num_layers, capacity=cap, page_shape=self.page_shape,
                        dtype=dtype, device=self.device, fingerprint=fingerprint)
@@ -110,12 +108,33 @@ class TieredKVCache:
         for tier in self.tiers:
             tier.poison_freed = poison_freed
         self.hbm = self.tiers[HOT]
+        self.telemetry = Telemetry(num_layers, tier_kinds=tuple(t.kind for t in self.tiers),
+                                   page_bytes=self.hbm.page_bytes, device=self.device)
+        self.pages = PageMap(num_layers=num_layers, batch_size=batch_size,
+                             max_pages=self.max_pages, page_size=p, sink_pages=config.sink_pages,
+                             recent_pages=config.recent_pages, device=self.device,
+                             staging_pages=self.staging_pages)
+        self.importance = Importance(
+            self.pages, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+            snapkv_window=config.snapkv_window,
+            window_mass=config.evict_budget != 0 and EVICTIONS[config.evict_policy].window_mass,
+            kernels=self.kernels, backend=self.backend, telemetry=self.telemetry,
+            engine=self.engine)
+        self.policies = build_policies(config, self.importance, self.pages)
+        if not self.policies.recall.exact:  # the tables carry the recall candidates
+            self.pages.recall_pages = config.pages(config.recall_budget, self.max_pages,
+                                                   config.max_context)
         self.mover = Mover(self.tiers, self.pages, self.engine, self.telemetry, self.device)
         self.prefetcher = Prefetcher(num_layers=num_layers, staging_pages=self.staging_pages,
                                      page_shape=self.page_shape, dtype=dtype, device=self.device,
                                      pages=self.pages, mover=self.mover, engine=self.engine,
                                      telemetry=self.telemetry)
         self.budgets = Budgets(config, self.pages, self.policies, self.mover, len(self.tiers))
+        # the HBM pool of each layer as [slots * 2 * P, H_kv, D] rows (one token's K or V each)
+        self._rows = [self.hbm.pool(i).view(-1, num_kv_heads, head_dim)
+                      for i in range(num_layers)]
+        self._filled: list[tuple | None] = [None] * num_layers  # page filled by the last token
+        self._parts: tuple | None = None  # decode partial states, allocated on first use
 
     # --- geometry ---------------------------------------------------------------------------
 
@@ -149,6 +168,10 @@ class TieredKVCache:
             raise KernelInputError(f"pad must list {self.batch_size} non-negative token counts, "
                                    f"got {pad.tolist()}.")
         self.pages.pad = pad.clone()
+        self.pages.sequences_changed()
+
+    def _tables(self, layer: int) -> LayerTables:
+        return self.pages.tables(layer, self.tiers)
 
     # --- append ------------------------------------------------------------------------------
 
@@ -160,14 +183,14 @@ class TieredKVCache:
                 cache's dtype).
         """
         t0 = time.perf_counter()
-        st, pm = self.pages.layers[layer], self.pages
-        b, _, t, _ = self._check_kv(k, v)
+        st, pm, p = self.pages.layers[layer], self.pages, self.page_size
+        _, _, t, _ = self._check_kv(k, v)
         if t > self.config.prefill_chunk_size:
             raise KernelInputError(
                 f"update got {t} tokens per sequence; the pools have headroom for "
                 f"prefill_chunk_size={self.config.prefill_chunk_size}: prefill in chunks of at "
                 "most that many tokens, or raise prefill_chunk_size.")
-        p, n0 = self.page_size, st.length
+        n0 = st.length
         n1 = n0 + t
         if n1 > self.max_pages * p:
             raise KVCapacityError(
@@ -176,48 +199,59 @@ class TieredKVCache:
         first_new, end = math.ceil(n0 / p), math.ceil(n1 / p)
         alive = pm.alive.nonzero().flatten().tolist()
         new = end - first_new
-        if self.hbm.num_free(layer) < new * len(alive):
-            self.budgets.make_room(layer, new * len(alive))
-        slots = self.hbm.alloc(layer, new * len(alive))  # raises before any state changes
-        if new:  # most decode steps fill the current page: no new page, no table change
+        if new:  # take the new pages' HBM slots (demoting first if HBM is full)
+            if self.hbm.num_free(layer) < new * len(alive):
+                self.budgets.make_room(layer, new * len(alive))
+            slots = self.hbm.alloc(layer, new * len(alive))  # raises before any change
             rows_new = torch.tensor(alive, dtype=torch.long)[:, None]
             st.slot[rows_new, torch.arange(first_new, end)] = torch.tensor(
                 slots, dtype=torch.int32).view(len(alive), new)
             st.tier[rows_new, torch.arange(first_new, end)] = HOT
-        # scatter the tokens into their pages: one indexed write per layer
-        every = len(alive) == b  # no freed sequence: skip selecting rows
-        pool = self.hbm.pool(layer)
-        if t == 1 and every:
-            # a decode step: one token per sequence, all into page n0 // p at lane n0 % p (the
-            # general path below with T = 1, in a third of the small host-side ops)
-            pg = n0 // p
-            meta_slots = st.slot[:, pg].contiguous()  # kernels read dense int32 arrays
-            page_slot = meta_slots.long().to(self.device)
-            pool[page_slot, 0, n0 % p] = k[:, :, 0].to(self.device, self.dtype)
-            pool[page_slot, 1, n0 % p] = v[:, :, 0].to(self.device, self.dtype)
-            lens = torch.full((b,), min(n1 - pg * p, p), dtype=torch.int32)
-            meta_rows = pm.seq_idx * self.max_pages + pg
+            st.edited(cold=False)
+        if t == 1:
+            self._write_token(layer, k, v)
         else:
-            rows = torch.tensor(alive, dtype=torch.long)
-            slot_rows = st.slot if every else st.slot[rows]
-            pos = torch.arange(n0, n1)
-            page_slot = slot_rows[:, pos // p].long().to(self.device)  # [b_alive, T]
-            off = (pos % p).to(self.device)
-            if not every:
-                k, v = k[rows.to(k.device)], v[rows.to(v.device)]
-            kk = k.permute(0, 2, 1, 3).to(self.device, self.dtype)  # [b, T, H, D]
-            vv = v.permute(0, 2, 1, 3).to(self.device, self.dtype)
-            pool[page_slot, 0, off[None, :].expand_as(page_slot)] = kk
-            pool[page_slot, 1, off[None, :].expand_as(page_slot)] = vv
-            # Quest metadata of every touched page (the partly filled last page included)
-            touched = pm.page_idx[n0 // p:end]
-            meta_slots = slot_rows[:, touched].flatten()
-            lens = (torch.clamp(n1 - touched * p, max=p)).repeat(len(alive)).to(torch.int32)
-            meta_rows = (rows[:, None] * self.max_pages + touched[None, :]).flatten()
-        if meta_slots.numel():
-            self.importance.write_metadata(layer, pool, meta_slots, lens, meta_rows)
+            self._write_chunk(layer, k, v, alive, n0, n1)
         st.length = n1
         self.telemetry.layers[layer].host_time_s += time.perf_counter() - t0
+
+    def _write_token(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A decode token: every live sequence's K and V into its current page, by write
+        positions kept on the device and advanced in place (no host read, no table change)."""
+        tabs = self._tables(layer)
+        kv = torch.stack((k[:, :, 0], v[:, :, 0]), 1).to(self.device, self.dtype)  # [B, 2, H, D]
+        if tabs.alive_rows is not None:
+            kv = kv.index_select(0, tabs.alive_rows)
+        self._rows[layer].index_copy_(0, tabs.write_pos, kv.view(-1, *kv.shape[2:]))
+        tabs.write_pos.add_(1)
+        tabs.hot.table.last_page_len.add_(1)
+        if (self.pages.layers[layer].length + 1) % self.page_size == 0:
+            self._filled[layer] = (tabs.current_slots, tabs.current_rows)
+
+    def _write_chunk(self, layer: int, k: torch.Tensor, v: torch.Tensor, alive: list[int],
+                     n0: int, n1: int) -> None:
+        """A prompt chunk: one indexed write per layer, then the Quest metadata of every page
+        it touched (the partly filled last page included)."""
+        st, pm, p = self.pages.layers[layer], self.pages, self.page_size
+        rows = torch.tensor(alive, dtype=torch.long)
+        every = len(alive) == self.batch_size
+        slot_rows = st.slot if every else st.slot[rows]
+        pos = torch.arange(n0, n1)
+        page_slot = slot_rows[:, pos // p].long().to(self.device)  # [b_alive, T]
+        off = (pos % p).to(self.device)
+        if not every:
+            k, v = k[rows.to(k.device)], v[rows.to(v.device)]
+        pool = self.hbm.pool(layer)
+        pool[page_slot, 0, off[None, :].expand_as(page_slot)] = \
+            k.permute(0, 2, 1, 3).to(self.device, self.dtype)
+        pool[page_slot, 1, off[None, :].expand_as(page_slot)] = \
+            v.permute(0, 2, 1, 3).to(self.device, self.dtype)
+        touched = pm.page_idx[n0 // p:math.ceil(n1 / p)]
+        if len(alive) and len(touched):
+            lens = torch.clamp(n1 - touched * p, max=p).repeat(len(alive))
+            self.importance.write_metadata(layer, pool, slot_rows[:, touched].flatten(), lens,
+                                           (rows[:, None] * self.max_pages + touched).flatten())
+        st.edited(cold=False)  # the write position and the last page's length moved
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
         for name, x in (("k", k), ("v", v)):
@@ -253,8 +287,7 @@ class TieredKVCache:
             ``[B, H_q, T, D]`` in ``q``'s dtype.
         """
         t0 = time.perf_counter()
-        pm, tel, ks = self.pages, self.telemetry.layers[layer], self.kernels
-        st = pm.layers[layer]
+        st, tel = self.pages.layers[layer], self.telemetry.layers[layer]
         b, hq, t, d = q.shape
         if b != self.batch_size or d != self.head_dim or hq % self.num_kv_heads:
             raise KernelInputError(
@@ -263,60 +296,121 @@ class TieredKVCache:
         if t > st.length:
             raise KernelInputError(f"q has T={t} queries but layer {layer} holds {st.length} "
                                    "tokens; call update(layer, k, v) first.")
-        decode = t == 1
-        self.telemetry.decoding = decode
         if sliding_window is not None and (not isinstance(sliding_window, int)
                                            or sliding_window < 1):
             raise KernelInputError(f"sliding_window must be an int >= 1, got {sliding_window!r}.")
+        decode = t == 1
+        self.telemetry.decoding = decode
         st.window = sliding_window
+        tabs = self._tables(layer)
+        if st.window is not None and not decode and tabs.cold_pages:
+            raise NotImplementedError(
+                f"layer {layer}: a sliding-window prefill found demoted pages; pass "
+                "sliding_window on every attend call of this layer.")
         buffer = self.prefetcher.next_buffer(layer)
         qd = q.to(self.device, self.dtype)
-        n_pages = pm.num_pages(layer)
-        # tokens before `visible_from` are padding or outside every query's window
-        visible_from = pm.pad
-        if st.window is not None:
-            visible_from = torch.clamp(pm.pad, min=st.length - t - st.window + 1)
-        attendable = pm.attendable(n_pages, visible_from)
-        cold = (st.tier[:, :n_pages] > HOT) & attendable
-        if st.window is not None and not decode and bool(cold.any()):
-            raise NotImplementedError(
-                f"layer {layer}: a sliding-window prefill found demoted pages inside the window; "
-                "pass sliding_window on every attend call of this layer.")
-        need = self.policies.recall.select(layer, qd[:, :, 0], cold) if decode else \
-            pm.page_lists(cold)
-        hot_table, hot_pages = pm.hot_table(layer, n_pages, attendable)
-        # decode masks the window token by token; prefill lets the kernel apply it
-        lane_from = torch.clamp(pm.pad, min=st.length - st.window) \
-            if st.window is not None and decode else pm.pad
-        want_mass = self.budgets.wants_mass()
         scale = sm_scale if sm_scale is not None else d ** -0.5
-        common = dict(sm_scale=scale, softcap=softcap, validate=False, backend=self.backend)
-        q1 = qd[:, :, 0]
-        if not decode:
-            qf = qd.permute(0, 2, 1, 3).reshape(b * t, hq, d)
-            qo = torch.arange(b + 1, dtype=torch.int32, device=self.device) * t
+        run = self._decode if decode else self._prefill
+        out, lse = run(layer, qd, tabs, buffer, dict(sm_scale=scale, softcap=softcap,
+                                                     validate=False, backend=self.backend))
+        if sinks is not None:  # the sink takes exp(sink) of the softmax mass and adds nothing
+            out = out * torch.sigmoid(lse - sinks.to(lse.device, torch.float32)).unsqueeze(-1)
+        res = out.unsqueeze(2) if decode else out.view(b, t, hq, d).permute(0, 2, 1, 3)
+        res = res.to(q.dtype, copy=True)  # the partial-state buffers are reused next layer
+        tel.attend_calls += 1
+        self._after(layer, decode, qd[:, :, 0] if decode else None)
+        tel.host_time_s += time.perf_counter() - t0
+        return res
 
-        def kernel(pool, table, entries, causal, mass):
-            first = pm.first_lane(entries, lane_from)
-            if decode:
-                return ks.sparse_decode(q1, pool, table, return_page_mass=want_mass,
-                                        first_lane=first, **common)
-            return ks.paged_prefill(qf, pool, table, qo, causal=causal, first_lane=first,
-                                    sliding_window=st.window if causal else None,
-                                    return_page_mass=mass, **common)
+    def _decode(self, layer: int, qd: torch.Tensor, tabs: LayerTables, buffer: int,
+                common: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """One query token per sequence: the hot set, then each staged batch of cold pages,
+        each kernel writing its partial state into a preallocated buffer and its pages' LSE
+        into the per-page buffer; one merge; the page mass in one kernel."""
+        ks, tel, q1 = self.kernels, self.telemetry.layers[layer], qd[:, :, 0]
+        want_mass = self.budgets.wants_mass()
+        page_lse = self.importance.decode_buffer(q1.shape[1]) if want_mass else None
+        parts_o, parts_lse, merged = self._decode_buffers(q1.shape[1], len(tabs.cold) + 1)
+        n = 0
 
-        # with no cold page the chunk's own softmax is the final one: its page mass is the
-        # importance, without the second pass under the merged LSE
+        def run(pool, table, first=None):
+            nonlocal n
+            ks.sparse_decode(q1, pool, table.table, out=parts_o[n], lse=parts_lse[n],
+                             first_lane=table.first_lane if first is None else first,
+                             page_lse=page_lse,
+                             page_lse_index=table.lse_index if want_mass else None, **common)
+            n += 1
+
+        run(self.hbm.pool(layer), tabs.hot, self._window_lanes(layer, tabs))
+        recall = self.policies.recall
+        if recall.exact:
+            cold = self.prefetcher.attend_cold(layer, tabs, buffer, run)
+        else:
+            k = recall.budget(layer) if tabs.cold_pages else 0
+            scores = recall.scores(layer, q1, tabs) if k else None
+            cold = self.prefetcher.attend_cold(layer, tabs, buffer, run, scores=scores, k=k,
+                                               recall=True)
+        for _ in cold:
+            pass
+        tel.kernel_launches += n
+        if n == 1:
+            out, lse = parts_o[0], parts_lse[0]
+        else:
+            out, lse = ks.merge_states(parts_o[:n], parts_lse[:n], out=merged[0],
+                                       out_lse=merged[1], backend=self.backend)
+            tel.kernel_launches += 1
+        if want_mass:
+            self.importance.add_decode(layer, lse)
+        return out, lse
+
+    def _decode_buffers(self, num_q_heads: int, parts: int) -> tuple:
+        """``[parts, B, H_q, D]`` outputs, ``[parts, B, H_q]`` LSEs and the merged pair, kept
+        across steps (fixed addresses for graph capture)."""
+        shape = (self.batch_size, num_q_heads, self.head_dim)
+        if self._parts is None or self._parts[0].shape[0] < parts or \
+                self._parts[0].shape[1:] != shape:
+            f32 = dict(dtype=torch.float32, device=self.device)
+            self._parts = (torch.empty(max(parts, 2), *shape, **f32),
+                           torch.empty(max(parts, 2), *shape[:2], **f32),
+                           (torch.empty(shape, **f32), torch.empty(shape[:2], **f32)))
+        return self._parts
+
+    def _window_lanes(self, layer: int, tabs: LayerTables) -> torch.Tensor | None:
+        """On a sliding-window layer, the hot entries' first lanes for this decode step: the
+        query sees only the last ``W`` keys, masked token by token (None elsewhere)."""
+        st = self.pages.layers[layer]
+        if st.window is None:
+            return None
+        start = torch.clamp(self.pages.pad, min=st.length - st.window).to(self.device)
+        mp, idx = self.max_pages, tabs.hot.lse_index.long()
+        rows = torch.clamp(idx // mp, max=self.batch_size - 1)
+        return (start[rows] - (idx % mp) * self.page_size).clamp(0, self.page_size).to(
+            torch.int32)
+
+    def _prefill(self, layer: int, qd: torch.Tensor, tabs: LayerTables, buffer: int,
+                 common: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prompt chunk: causal attention over the hot pages, every cold page staged and
+        attended, one merge; the chunk's page mass (and SnapKV's) under the merged LSE."""
+        ks, tel, st = self.kernels, self.telemetry.layers[layer], self.pages.layers[layer]
+        b, hq, t, d = qd.shape
+        qf = qd.permute(0, 2, 1, 3).reshape(b * t, hq, d)
+        qo = torch.arange(b + 1, dtype=torch.int32, device=self.device) * t
+        want_mass = self.budgets.wants_mass()
+        want_snap = self.budgets.wants_window_mass(decode=False)
         pool = self.hbm.pool(layer)
-        parts = [kernel(pool, hot_table, hot_pages, True, want_mass and not any(need))]
-        tables, entries, pools = [hot_table], [hot_pages], [pool]
-        for part, table, run in self.prefetcher.attend_cold(
-                layer, need, buffer, lambda pool, table, run: kernel(pool, table, run.entries,
-                                                                     False, False)):
-            parts.append(part)
-            tables.append(table)
-            entries.append(run.entries)
-            pools.append(self.staging[run.buffer])
+        # with no cold page the chunk's own softmax is the final one: its page mass is the
+        # importance, without a second pass under the merged LSE
+        parts = [ks.paged_prefill(qf, pool, tabs.hot.table, qo, causal=True,
+                                  first_lane=tabs.hot.first_lane, sliding_window=st.window,
+                                  return_page_mass=want_mass and not tabs.cold_pages, **common)]
+        staged = []
+
+        def cold_kernel(staging, table):
+            staged.append((staging, table))
+            return ks.paged_prefill(qf, staging, table.table, qo, causal=False,
+                                    first_lane=table.first_lane, **common)
+
+        parts += list(self.prefetcher.attend_cold(layer, tabs, buffer, cold_kernel))
         tel.kernel_launches += len(parts)
         if len(parts) == 1:
             out, lse = parts[0].out, parts[0].lse
@@ -324,59 +418,60 @@ class TieredKVCache:
             out, lse = ks.merge_states(torch.stack([x.out for x in parts]),
                                        torch.stack([x.lse for x in parts]), backend=self.backend)
             tel.kernel_launches += 1
-        if sinks is not None:  # the sink takes exp(sink) of the softmax mass and adds nothing
-            out = out * torch.sigmoid(lse - sinks.to(lse.device, torch.float32)).unsqueeze(-1)
-        if decode and want_mass:
-            for part, table, ents in zip(parts, tables, entries):
-                self.importance.add_decode(layer, part, table, ents, lse)
-        elif not decode:
-            self._prefill_importance(layer, parts, tables, entries, pools, need, buffer, qd,
-                                     lse, scale, softcap, want_mass)
-        if decode:
-            self.importance.last_q[layer] = q1
-            tel.decode_steps += 1
-        tel.attend_calls += 1
-        self.budgets.rebalance(layer, decode)
-        self._prefetch_next(layer, q1 if decode else None)
-        res = out.view(b, t, hq, d).permute(0, 2, 1, 3) if not decode else out.unsqueeze(2)
-        tel.host_time_s += time.perf_counter() - t0
-        return res.to(q.dtype)
-
-    def _prefill_importance(self, layer, parts, tables, entries, pools, need, buffer, qd, lse,
-                            scale, softcap, want_mass) -> None:
-        """A prompt chunk's page mass (and SnapKV's window mass) under the merged LSE."""
-        want_snap = self.budgets.wants_window_mass(decode=False)
-        if not (want_mass or want_snap):
-            return
         imp = self.importance
-        snap = torch.zeros(self.batch_size, self.max_pages) if want_snap else None
-        kw = dict(qd=qd, lse=lse, scale=scale, softcap=softcap, snap=snap)
         if parts[0].page_mass is not None:
-            imp.add_mass(layer, entries[0], parts[0].page_mass.sum(-1))
-        imp.add_prefill(layer, tables[0], entries[0], pools[0], True,
-                        **{**kw, "mass": want_mass and parts[0].page_mass is None})
-        if len(parts) == 2:
-            imp.add_prefill(layer, tables[1], entries[1], pools[1], False, mass=want_mass, **kw)
-        elif len(parts) > 2:  # batches reused the buffer: stream the cold pages once more
-            for _ in self.prefetcher.attend_cold(
-                    layer, need, buffer, lambda pool, table, run: imp.add_prefill(
-                        layer, table, run.entries, pool, False, mass=want_mass, **kw)):
-                pass
+            imp.add_entries(layer, tabs.hot, parts[0].page_mass)
         if want_snap:
-            imp.snap[layer] = snap
+            imp.snap[layer].zero_()
+        if (want_mass and parts[0].page_mass is None) or want_snap:
+            kw = dict(qd=qd, lse=lse, scale=common["sm_scale"], softcap=common["softcap"],
+                      snap=want_snap)
+            imp.add_prefill(layer, tabs.hot, pool, True, mass=want_mass and
+                            parts[0].page_mass is None, **kw)
+            if len(staged) == 1:
+                imp.add_prefill(layer, staged[0][1], staged[0][0], False, mass=want_mass, **kw)
+            elif staged:  # batches reused the buffer: stream the cold pages once more
+                for _ in self.prefetcher.attend_cold(
+                        layer, tabs, buffer, lambda staging, table: imp.add_prefill(
+                            layer, table, staging, False, mass=want_mass, **kw)):
+                    pass
+        return out, lse
 
-    def _prefetch_next(self, layer: int, q: torch.Tensor | None) -> None:
+    def _after(self, layer: int, decode: bool, q1: torch.Tensor | None) -> None:
+        """The structural work after a layer's attention: the Quest metadata of a page the step
+        filled, the budgets when a decision is due, the importance snapshot the next decision
+        reads (taken a step ahead, asynchronously), and the next layer's prefetch."""
+        tel, budgets, imp = self.telemetry.layers[layer], self.budgets, self.importance
+        if decode:
+            tel.decode_steps += 1
+            imp.last_q[layer] = q1
+            if self._filled[layer] is not None:
+                slots, rows = self._filled[layer]
+                self._filled[layer] = None
+                imp.write_metadata(layer, self.hbm.pool(layer), slots,
+                                   torch.full_like(slots, self.page_size), rows)
+        needs = budgets.needs_importance()
+        bound = self.policies.demotion.needs_bound
+        if budgets.due(layer, decode=decode):
+            if needs and not decode:  # a prompt chunk: rank by its own, current importance
+                imp.snapshot(layer, bound=bound)
+            budgets.rebalance(layer, decode)
+        if needs and decode and budgets.due_next(layer):
+            imp.snapshot(layer, bound=bound)
+        self._prefetch_next(layer, decode)
+
+    def _prefetch_next(self, layer: int, decode: bool) -> None:
         """Start fetching what the next layer (or layer 0 of the next step) will attend."""
         if self.config.prefetch == "none":
             return
         nxt = (layer + 1) % self.num_layers
-        if self.pages.length(nxt) == 0 or (nxt == 0 and q is None):
+        exact = self.policies.recall.exact
+        if self.pages.length(nxt) == 0 or (nxt == 0 and not decode) or \
+                (not exact and not decode):
             return
-        n_pages = self.pages.num_pages(nxt)
-        cold = (self.pages.layers[nxt].tier[:, :n_pages] > HOT) & self.pages.attendable(n_pages)
-        pages = self.policies.recall.prefetch(nxt, q, cold)
-        if pages is not None:
-            self.prefetcher.start(nxt, pages)
+        tabs = self._tables(nxt)
+        if tabs.cold_pages:
+            self.prefetcher.start(nxt, tabs, recall=not exact)
 
     # --- whole-cache operations ----------------------------------------------------------
 
@@ -399,9 +494,9 @@ class TieredKVCache:
         """Release every page of ``sequence``; it attends nothing until :meth:`reset`."""
         self.prefetcher.cancel_all()
         self.mover.free(sequence)
-        for mass in self.importance.mass:
-            mass[sequence] = 0
+        self.importance.clear_sequence(sequence)
         self.pages.alive[sequence] = False
+        self.pages.sequences_changed()
 
     def reorder(self, index: torch.Tensor | list[int]) -> None:
         """Sequence ``i`` becomes old sequence ``index[i]`` (beam search). A sequence chosen
@@ -412,14 +507,14 @@ class TieredKVCache:
         if len(index) != self.batch_size or not all(0 <= i < self.batch_size for i in index):
             raise KernelInputError(f"reorder index must list {self.batch_size} sequence ids in "
                                    f"0..{self.batch_size - 1}, got {index}.")
-        self.prefetcher.cancel_all()  # their copies may read slots released below
+        self.prefetcher.reset()  # their copies may read slots released below
         self.mover.reorder(index)
         rows = torch.tensor(index)
         self.importance.reorder(rows)
         self.policies.eviction.reorder(rows)
-        self.policies.recall.reset()
         self.pages.alive = self.pages.alive[rows]
         self.pages.pad = self.pages.pad[rows]
+        self.pages.sequences_changed()
 
     def gather(self, layer: int, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every live token of ``sequence`` as ``(positions [n], kv [n, 2, H_kv, D])`` on the
@@ -466,16 +561,14 @@ class TieredKVCache:
     def reset_content(self) -> None:
         """Release every page and forget all per-sequence state (tables, importance, policy
         state, prefetches); the geometry and telemetry stay."""
-        self.prefetcher.cancel_all()
+        self.prefetcher.reset()
         for layer, st in enumerate(self.pages.layers):
             live = st.tier != NONE
             self.mover.release(layer, st.tier[live], st.slot[live])
-        self.pages.layers = [self.pages.new_layer() for _ in range(self.num_layers)]
-        for layer in range(self.num_layers):
-            self.importance.reset(layer)
-        self.policies.recall.reset()
-        self.budgets.pruned = [False] * self.num_layers
-        self.prefetcher.calls = [0] * self.num_layers
+        self.pages.reset()
+        self.importance.reset()
+        self.budgets.reset()
+        self._filled = [None] * self.num_layers
 
     def refresh_metadata(self, layer: int) -> None:
         """Recompute the Quest metadata of every live page of ``layer`` (after a load)."""
@@ -488,4 +581,3 @@ class TieredKVCache:
         lens = torch.clamp(st.length - cols * p, max=p).to(torch.int32)
         self.importance.write_metadata(layer, data, torch.arange(len(live), dtype=torch.int32),
                                        lens, rows * self.max_pages + cols)
-

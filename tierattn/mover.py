@@ -98,6 +98,68 @@ class Mover:
             return [(int(present[0]), slice(None))]
         return [(int(ti), tiers == ti) for ti in present]
 
+    # --- slot lists on the device (the decode step) ---------------------------------------------
+
+    def copy_slots(self, layer: int, src: int, src_slots: torch.Tensor, dst_pool: torch.Tensor,
+                   dst_slots: torch.Tensor, *, pages: int | None, after: object = None,
+                   wait: bool = True) -> object:
+        """Copy pages of memory tier ``src`` into ``dst_pool`` (a staging buffer) by int32 slot
+        lists already on the device (-1 pairs copy nothing): one launch, no host read.
+        ``pages``: how many pairs are real, for the counters (None: counted on the device)."""
+        ticket = self.engine.copy(self.tiers[src].pool(layer), src_slots, dst_pool, dst_slots,
+                                  after=after)
+        if wait:
+            self.engine.wait(ticket)
+            ticket = None
+        self._count(layer, src, None, pages or 0)
+        return ticket
+
+    def read_into(self, layer: int, src: int, src_slots: list[int], token_starts: list[int],
+                  dst_pool: torch.Tensor, dst_slots: list[int]) -> None:
+        """Read pages of a disk tier (validated) into ``dst_pool`` rows ``dst_slots``."""
+        data = self.tiers[src].read(layer, src_slots, token_starts)
+        dst_pool[torch.tensor(dst_slots, device=dst_pool.device)] = data.to(dst_pool.device)
+        self._count(layer, src, None, len(src_slots))
+
+    def copy_recalled(self, layer: int, src: torch.Tensor, cols: torch.Tensor,
+                      dst_pool: torch.Tensor, dst_slots: torch.Tensor, *, after: object = None,
+                      wait: bool = True) -> list:
+        """Copy recalled pages ``src [B, k]`` (``tier * 2**32 + slot``, -1: skip) of logical
+        pages ``cols [B, k]`` into staging rows ``dst_slots [B, k]``: one launch per lower
+        memory tier holding pages of the layer, the pages counted per tier on the device. Pages
+        on a disk tier are read on the host (the one path that reads the selection back)."""
+        tier_of = src >> 32
+        slot_of = (src & 0xFFFFFFFF).to(torch.int32).view(-1)
+        dst = dst_slots.reshape(-1).to(torch.int32)
+        self.telemetry.count_recalled(layer, torch.where(src >= 0, tier_of, len(self.tiers)))
+        tickets = []
+        held = [t for t in range(1, len(self.tiers)) if self.tiers[t].num_used(layer)]
+        for t in held:
+            mine = (tier_of == t).view(-1)
+            if self.tiers[t].is_memory:
+                ids = slot_of if len(held) == 1 else torch.where(mine, slot_of, -1)
+                ticket = self.engine.copy(self.tiers[t].pool(layer), ids, dst_pool, dst,
+                                          after=after)
+                if wait:
+                    self.engine.wait(ticket)
+                    ticket = None
+                tickets.append(ticket)
+                self._count(layer, t, None, 0)
+            else:
+                picked = mine.nonzero().flatten()
+                if len(picked):
+                    self.read_into(layer, t, slot_of[picked].tolist(),
+                                   (cols.view(-1)[picked] * self.page_size).tolist(), dst_pool,
+                                   dst[picked].tolist())
+        return tickets
+
+    def count_hits(self, layer: int, hit: torch.Tensor) -> None:
+        self.telemetry.count_hits(layer, hit)
+
+    def on_disk(self, layer: int) -> bool:
+        """Whether a disk tier holds pages of ``layer`` (recall then reads on the host)."""
+        return any(not t.is_memory and t.num_used(layer) for t in self.tiers)
+
     # --- what the cache does with it ------------------------------------------------------------
 
     def fetch(self, layer: int, rows: torch.Tensor, cols: torch.Tensor, dst_pool: torch.Tensor,
@@ -144,6 +206,7 @@ class Mover:
             self.tiers[HOT].release(layer, src.tolist())
             st.tier[rows, cols] = ti
             st.slot[rows, cols] = torch.tensor(slots, dtype=torch.int32)
+            st.edited()
 
     def move(self, layer: int, sequence: int, page: int, tier: int) -> None:
         """Move one live page to ``tier`` (spill to disk, reload, demote by hand)."""
@@ -159,6 +222,7 @@ class Mover:
                   self.tiers[tier], torch.tensor([slot]))
         self.tiers[src_t].release(layer, [src_s])
         st.tier[sequence, page], st.slot[sequence, page] = tier, slot
+        st.edited()
 
     def drop(self, layer: int, sequence: int, pages: list[int], *, window: bool = False) -> None:
         """Release ``pages`` of ``sequence``; ``window``: they left a sliding window (counted
@@ -168,6 +232,7 @@ class Mover:
         self.release(layer, st.tier[sequence, cols], st.slot[sequence, cols])
         st.tier[sequence, pages] = NONE
         st.evicted[sequence, pages] = True
+        st.edited()
         c = self.telemetry.layers[layer]
         if window:
             c.window_dropped_tokens += len(pages) * self.page_size
@@ -187,6 +252,7 @@ class Mover:
             live = st.tier[sequence] != NONE
             self.release(layer, st.tier[sequence][live], st.slot[sequence][live])
             st.tier[sequence] = NONE
+            st.edited()
 
     def read(self, layer: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Pages ``(rows[i], cols[i])`` as one ``[n, *page_shape]`` CPU tensor, from wherever
@@ -221,6 +287,7 @@ class Mover:
             self.tiers[ti].write(layer, slots, data[sel], (cols[sel] * self.page_size).tolist())
             st.tier[rows[sel], cols[sel]] = ti
             st.slot[rows[sel], cols[sel]] = torch.tensor(slots, dtype=torch.int32)
+        st.edited()
 
     def reorder(self, index: list[int]) -> None:
         """Sequence ``i`` becomes old sequence ``index[i]`` (beam search). A sequence chosen
@@ -265,3 +332,4 @@ class Mover:
                           torch.tensor([pg * self.page_size]), self.tiers[dst],
                           torch.tensor([slot]))
                 st.tier[new, pg], st.slot[new, pg] = dst, slot
+            st.edited()

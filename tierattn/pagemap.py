@@ -2,24 +2,36 @@
 
 Per layer, each sequence's KV is a list of logical pages of ``page_size`` tokens. A page is *hot*
 (tier 0, a slot of the HBM pool), *cold* (a slot of a lower tier: DDR, CXL or disk) or gone
-(``NONE``: evicted, dropped from a sliding window, or past the end). The map holds, per layer,
-``[B, max_pages]`` tier and slot tensors on the host and the layer's length; per sequence,
-whether it is alive and how many tokens of left padding it starts with. It decides nothing and
-moves nothing: policies read it, the :mod:`~tierattn.mover` edits it.
+(``NONE``: evicted, dropped from a sliding window, or past the end).
+
+Two views of the same state:
+
+* the **host map**, ``[B, max_pages]`` tier and slot tensors per layer, the layer's length, and
+  per sequence whether it is alive and how many tokens of left padding it starts with. Every
+  structural edit (a page added, demoted, promoted, dropped) happens here, on the host, and
+  bumps the layer's ``version``;
+* the **device tables** (:class:`LayerTables`), the page tables the decode step reads, at fixed
+  capacity (``max_pages`` entries per sequence) so their storage never moves: the hot table,
+  the cold pages staged for attention, the recall candidates, where the next token is written.
+  :meth:`PageMap.tables` rebuilds a layer's tables from the host map when its version changed
+  (at most a few times per page filled) and moves them to the device in one copy per dtype;
+  between structural edits a decode step only advances them in place on the device (the
+  write position and the last page's length), so it reads nothing back and can be captured
+  in a CUDA graph.
+
+The map decides nothing and moves nothing: policies read it, the :mod:`~tierattn.mover` edits it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
-from itertools import chain
 
 import torch
 
 from tierattn.kernels import PageTable
 
-__all__ = ["HOT", "NONE", "Entries", "LayerPages", "PageMap", "Staged"]
+__all__ = ["HOT", "NONE", "ColdBatch", "DeviceTable", "LayerPages", "LayerTables", "PageMap"]
 
 HOT = 0  # tier index of HBM
 NONE = -1  # no page: evicted, dropped from a window, or beyond the end
@@ -27,46 +39,82 @@ NONE = -1  # no page: evicted, dropped from a window, or beyond the end
 
 @dataclass
 class LayerPages:
-    """One layer's page tables (``[B, max_pages]`` host tensors) and length."""
+    """One layer's host map (``[B, max_pages]`` tensors) and length."""
 
     tier: torch.Tensor  # int8 tier index, NONE for no page
     slot: torch.Tensor  # int32 slot within that tier
     evicted: torch.Tensor  # bool: dropped for good (or left a sliding window)
     length: int = 0  # tokens per sequence (padding and evicted ones included)
     window: int | None = None  # sliding window of this layer (HF semantics: q - k < window)
+    version: int = 0  # bumped by every structural edit; device tables follow it
+    cold_version: int = 0  # bumped when the set of cold pages (or their slots) changes
+
+    def edited(self, *, cold: bool = True) -> None:
+        """A structural edit; ``cold=False``: the cold pages are as they were (a new hot
+        page), so prefetches of them stay valid."""
+        self.version += 1
+        self.cold_version += cold
 
 
 @dataclass
-class Entries:
-    """The logical pages of a page table's entries, in table order (sequence by sequence, page
-    by page), as two ``[nnz]`` long CPU tensors."""
+class DeviceTable:
+    """A page table on the device and, per entry, the logical page it holds.
 
-    rows: torch.Tensor  # sequence of each entry
-    cols: torch.Tensor  # logical page of each entry
+    ``table.indices[row_start[r] : row_start[r] + row_count[r]]`` are row ``r``'s pool slots;
+    ``lse_index[e]`` is ``b * max_pages + page`` of entry ``e`` (``B * max_pages``, a trash row,
+    for an unused entry), the row of a per-page buffer its page LSE or mass goes to.
+    """
 
-    def __len__(self) -> int:
-        return self.cols.numel()
+    table: PageTable
+    lse_index: torch.Tensor  # int32 [cap]
+    first_lane: torch.Tensor | None  # int32 [cap]: tokens before it are padding; None: no padding
+    counts: list[int]  # entries per row (host)
 
-    @classmethod
-    def from_lists(cls, pages: list[list[int]]) -> Entries:
-        counts = torch.tensor([len(x) for x in pages], dtype=torch.long)
-        return cls(torch.repeat_interleave(torch.arange(len(pages)), counts),
-                   torch.tensor(list(chain.from_iterable(pages)), dtype=torch.long))
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
 
 
 @dataclass
-class Staged:
-    """Cold pages of one batch resident in a staging buffer, ready to attend."""
+class ColdBatch:
+    """Cold pages of one layer staged together: the copies that bring them to a staging buffer
+    (slot ``i`` holds the batch's entry ``i``) and the table that attends them there."""
 
-    buffer: int
-    pages: list[list[int]] = field(default_factory=list)
-    slots: list[list[int]] = field(default_factory=list)
+    table: DeviceTable
+    #: per memory source tier: (tier index, source slots, staging slots), int32 on the device,
+    #: padded with -1 to the staging capacity (a -1 pair copies nothing)
+    copies: list[tuple[int, torch.Tensor, torch.Tensor]]
+    #: per disk tier: (tier index, source slots, first tokens, staging slots), host lists
+    reads: list[tuple[int, list[int], list[int], list[int]]]
+    pages_by_tier: dict[int, int]  # pages copied from each source tier (telemetry)
 
-    @cached_property
-    def entries(self) -> Entries:
-        """The batch's pages as table entries (built once: read only after the batch is
-        yielded, when its lists no longer change)."""
-        return Entries.from_lists(self.pages)
+
+@dataclass
+class LayerTables:
+    """The device tables of one layer, built from its host map at ``version``."""
+
+    version: int
+    cold_version: int
+    hot: DeviceTable
+    cold: list[ColdBatch]
+    #: [B_alive * 2] flat row (``slot * 2P + kv * P + lane``) in the HBM pool viewed as
+    #: ``[slots * 2 * P, H_kv, D]`` where the next token's K and V go (advanced per token)
+    write_pos: torch.Tensor
+    #: [B_alive] long on the device: the live sequences (None when every sequence is alive)
+    alive_rows: torch.Tensor | None
+    #: the page being filled: its HBM slots and metadata rows (``b * max_pages + page``)
+    current_slots: torch.Tensor  # int32 [B_alive]
+    current_rows: torch.Tensor  # int32 [B_alive]
+    padded: bool  # some sequence has left padding (the tables carry first lanes)
+    cold_pages: int  # attendable cold pages of live sequences (host)
+    hot_storage: tuple  # the device buffers the tables are views of
+    cold_storage: tuple
+    by_tier: dict[int, int] = field(default_factory=dict)  # live pages per tier (host)
+    #: recall candidates (``attend="topk"``): every attendable cold page, compacted per row
+    candidates: DeviceTable | None = None
+    cand_cols: torch.Tensor | None = None  # long [B, max_pages] page of candidate i (pad -1)
+    cand_src: torch.Tensor | None = None  # long [B, max_pages] tier * 2**32 + slot (pad -1)
+    cand_first: torch.Tensor | None = None  # int32 [B, max_pages] first lane (padding)
 
 
 class PageMap:
@@ -78,14 +126,16 @@ class PageMap:
         page_size: tokens per page.
         sink_pages, recent_pages: pages that always stay hot at the start and the end.
         device: where the kernels read the tables.
+        staging_pages: slots of a staging buffer (the most cold pages one batch stages).
     """
 
     def __init__(self, *, num_layers: int, batch_size: int, max_pages: int, page_size: int,
-                 sink_pages: int, recent_pages: int, device: torch.device) -> None:
+                 sink_pages: int, recent_pages: int, device: torch.device,
+                 staging_pages: int) -> None:
         self.num_layers, self.batch_size = num_layers, batch_size
         self.max_pages, self.page_size = max_pages, page_size
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
-        self.device = device
+        self.device, self.staging_pages = device, staging_pages
         self.alive = torch.ones(batch_size, dtype=torch.bool)
         self.pad = torch.zeros(batch_size, dtype=torch.long)  # leading padding tokens
         # logical page numbers and page ends, built once (sliced per call instead of rebuilt)
@@ -93,12 +143,28 @@ class PageMap:
         self.seq_idx = torch.arange(batch_size)
         self.page_ends = (self.page_idx + 1) * page_size
         self.layers = [self.new_layer() for _ in range(num_layers)]
+        self._tables: list[LayerTables | None] = [None] * num_layers
+        self.recall_pages = 0  # recall candidates are compacted when > 0 (attend="topk")
 
     def new_layer(self) -> LayerPages:
         b, mp = self.batch_size, self.max_pages
         return LayerPages(tier=torch.full((b, mp), NONE, dtype=torch.int8),
                           slot=torch.zeros(b, mp, dtype=torch.int32),
                           evicted=torch.zeros(b, mp, dtype=torch.bool))
+
+    def reset(self) -> None:
+        """Forget every page (the storage of the device tables is kept)."""
+        version = max(max(st.version, st.cold_version) for st in self.layers) + 1
+        self.layers = [self.new_layer() for _ in range(self.num_layers)]
+        for st in self.layers:  # never equal to a version tables were built from
+            st.version = st.cold_version = version
+        self.alive = torch.ones(self.batch_size, dtype=torch.bool)
+        self.pad = torch.zeros(self.batch_size, dtype=torch.long)
+
+    def sequences_changed(self) -> None:
+        """Padding or liveness changed: every layer's tables are stale."""
+        for st in self.layers:
+            st.edited()
 
     # --- geometry ----------------------------------------------------------------------------
 
@@ -136,17 +202,6 @@ class PageMap:
         start = self.pad if start is None else start
         return self.alive[:, None] & (self.page_ends[None, :n_pages] > start[:, None])
 
-    def first_lane(self, entries: Entries, start: torch.Tensor | None = None
-                   ) -> torch.Tensor | None:
-        """Per table entry, the first lane at or after ``start[b]`` (default: the end of the
-        padding), on the device; None when nothing is masked."""
-        start = self.pad if start is None else start
-        if not bool((start > 0).any()):
-            return None
-        p = self.page_size
-        first = (start[entries.rows] - entries.cols * p).clamp(0, p)
-        return first.to(torch.int32).to(self.device)
-
     def live_pages(self, layer: int, sequence: int) -> torch.Tensor:
         """``[n]`` logical pages of ``sequence`` that still hold KV (any tier)."""
         return (self.layers[layer].tier[sequence] != NONE).nonzero().flatten()
@@ -158,53 +213,182 @@ class PageMap:
         return {int(t): int(n) for t, n in zip(*torch.unique(tiers[tiers != NONE],
                                                              return_counts=True))}
 
-    # --- page tables for the kernels -------------------------------------------------------------
+    # --- device tables -----------------------------------------------------------------------
 
-    @staticmethod
-    def page_lists(mask: torch.Tensor) -> list[list[int]]:
-        """Per sequence, the pages set in ``mask [B, n_pages]`` (one nonzero for the batch)."""
-        if mask.shape[0] == 1:
-            return [mask[0].nonzero().flatten().tolist()]
-        nz = mask.nonzero()
-        counts = mask.sum(1).tolist()
-        cols = nz[:, 1].tolist()
-        out, pos = [], 0
-        for c in counts:
-            out.append(cols[pos:pos + c])
-            pos += c
-        return out
+    def tables(self, layer: int, tiers: list) -> LayerTables:
+        """``layer``'s device tables, rebuilt from the host map if it changed since they were
+        built (``tiers``: the cache's tiers, to tell memory tiers from the disk)."""
+        st, tabs = self.layers[layer], self._tables[layer]
+        if tabs is None or tabs.version != st.version:
+            tabs = self._tables[layer] = self._build(layer, tiers, tabs)
+        return tabs
 
-    def table(self, counts: list[int], idx: torch.Tensor, last: int) -> PageTable:
-        """A CSR :class:`PageTable` from per-row entry ``counts``, the slots ``idx`` (int32)
-        and the length of every non-empty row's last page, built on the host in two ops and
-        moved to the device in one copy (three small synchronous copies per table would cost
-        more than the table)."""
-        b = len(counts)
-        w = -(-b // 4) * 4  # segments start 16-byte aligned (kernels specialise on alignment)
-        starts, pos = [], 0
-        for c in counts:
-            starts.append(pos)
-            pos += c
-        gap = [0] * (w - b)
-        header = torch.tensor(starts + gap + counts + gap + [last if c else 0 for c in counts]
-                              + gap, dtype=torch.int32)
-        host = torch.cat([header, idx])
-        dev = host if self.device.type == "cpu" else host.to(self.device)
-        return PageTable(indices=dev[3 * w:], row_start=dev[:b], row_count=dev[w:w + b],
-                         last_page_len=dev[2 * w:2 * w + b])
+    def cached_tables(self, layer: int) -> LayerTables | None:
+        """The tables if they match the host map (no rebuild), else None."""
+        tabs = self._tables[layer]
+        return tabs if tabs is not None and tabs.version == self.layers[layer].version else None
 
-    def hot_table(self, layer: int, n_pages: int,
-                  attendable: torch.Tensor) -> tuple[PageTable, Entries]:
-        """Hot pages of each sequence in logical order (a compact row: the recent tail is
-        contiguous and hot, so positions inside the tail stay exact for causal masking)."""
+    def _build(self, layer: int, tiers: list, old: LayerTables | None) -> LayerTables:
+        """Everything the decode step reads, built on the host in whole-tensor ops and copied
+        into the previous tables' storage (captured graphs keep reading the right memory); the
+        cold batches are rebuilt only when the cold pages changed."""
         st, p = self.layers[layer], self.page_size
-        hot = (st.tier[:, :n_pages] == HOT) & attendable
-        nz = hot.nonzero()  # row-major: sequence by sequence, page by page
-        counts = hot.sum(1).tolist()
-        last = st.length - (n_pages - 1) * p if n_pages else 0
-        idx = st.slot[:, :n_pages][hot]
-        return self.table(counts, idx, last), Entries(nz[:, 0], nz[:, 1])
+        b, mp, n = self.batch_size, self.max_pages, self.num_pages(layer)
+        if st.length % p == 0 and n < mp and bool((st.tier[:, n] != NONE).any()):
+            n += 1  # the page the next token starts is allocated: it holds 0 tokens so far
+        trash = b * mp
+        live = (st.tier != NONE) & (self.page_idx[None, :] < n)
+        attend = live & self.attendable(mp)
+        cold = attend & (st.tier > HOT)
+        padded = bool((self.pad > 0).any())
+        rows = self.seq_idx[:, None].expand(b, mp)
+        arrays = _Arrays()
+        # the hot table: row b at b * max_pages, hot pages in logical order
+        order, counts, valid = self._compact(attend & (st.tier == HOT))
+        last = st.length - (n - 1) * p if n else 0
+        hot = arrays.table(
+            torch.where(valid, st.slot.gather(1, order), -1), self.seq_idx * mp, counts,
+            torch.where(counts > 0, last, 0), torch.where(valid, rows * mp + order, trash),
+            self._first_lane(rows, order) if padded else None)
+        # where the next token goes: lane (length % P) of each live sequence's current page
+        alive = self.alive.nonzero().flatten()
+        cur_page = min(st.length // p, mp - 1)
+        cur_slot = st.slot[alive, cur_page].long()
+        pos = arrays.put((cur_slot * 2 * p)[:, None] + torch.tensor([0, p]) + st.length % p,
+                         torch.int64)
+        cur = (arrays.put(cur_slot, torch.int32), arrays.put(alive * mp + cur_page, torch.int32))
+        alive_rows = arrays.put(alive, torch.int64) if len(alive) < b else None
+        cand = None
+        if self.recall_pages:  # every attendable cold page, compacted per row
+            order, counts, valid = self._compact(cold)
+            src = (st.tier.long() << 32) + st.slot.long()
+            cand = dict(
+                table=arrays.table(torch.where(valid, rows * mp + order, -1), self.seq_idx * mp,
+                                   counts, torch.where(counts > 0, 1, 0),
+                                   torch.where(valid, rows * mp + order, trash), None),
+                cols=arrays.put(torch.where(valid, order, -1), torch.int64),
+                src=arrays.put(torch.where(valid, src.gather(1, order), -1), torch.int64),
+                first=arrays.put(self._first_lane(rows, order), torch.int32) if padded else None)
+        dev = arrays.upload(self.device, old.hot_storage if old is not None else None)
+        if old is not None and old.cold_version == st.cold_version and \
+                old.padded == padded:
+            cold_batches, cold_storage = old.cold, old.cold_storage
+        else:
+            cold_batches, cold_storage = self._cold_batches(
+                layer, tiers, cold, padded, old.cold_storage if old is not None else None)
+        res = LayerTables(
+            version=st.version, cold_version=st.cold_version, hot=dev.table(hot),
+            cold=cold_batches, write_pos=dev[pos],
+            alive_rows=dev[alive_rows] if alive_rows is not None else None,
+            current_slots=dev[cur[0]], current_rows=dev[cur[1]], padded=padded,
+            cold_pages=int(cold.sum()), hot_storage=dev.storage, cold_storage=cold_storage,
+            by_tier={int(t): int(k) for t, k in zip(*torch.unique(
+                st.tier[live & self.alive[:, None]], return_counts=True))})
+        if cand is not None:
+            res.candidates = dev.table(cand["table"])
+            res.cand_cols = dev[cand["cols"]].view(b, mp)
+            res.cand_src = dev[cand["src"]].view(b, mp)
+            res.cand_first = dev[cand["first"]].view(b, mp) if cand["first"] is not None \
+                else None
+        return res
 
-    def staged_table(self, run: Staged) -> PageTable:
-        idx = torch.tensor(list(chain.from_iterable(run.slots)), dtype=torch.int32)
-        return self.table([len(x) for x in run.slots], idx, self.page_size)
+    def _compact(self, mask: torch.Tensor):
+        """Per row, the set columns first (in logical order); their counts; which of the
+        ``max_pages`` positions of each row are used."""
+        order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+        counts = mask.sum(1)
+        return order, counts, self.page_idx[None, :] < counts[:, None]
+
+    def _first_lane(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """First lane of page ``cols`` of sequence ``rows`` after the left padding."""
+        return (self.pad[rows] - cols * self.page_size).clamp(0, self.page_size)
+
+    def _cold_batches(self, layer: int, tiers: list, cold: torch.Tensor, padded: bool,
+                      storage: tuple | None) -> tuple[list[ColdBatch], tuple]:
+        """The cold pages of live sequences, row by row, in batches of at most
+        ``staging_pages`` (staging slot ``i`` holds the batch's entry ``i``)."""
+        st, p = self.layers[layer], self.page_size
+        trash = self.batch_size * self.max_pages
+        nz = cold.nonzero()
+        cap = self.staging_pages
+        arrays, specs = _Arrays(), []
+        for lo in range(0, len(nz), cap):
+            part = nz[lo:lo + cap]
+            r, c = part[:, 0], part[:, 1]
+            per_row = torch.bincount(r, minlength=self.batch_size)
+            ti, sl = st.tier[r, c].long(), st.slot[r, c]
+            copies, reads, by_tier = [], [], {}
+            for t in torch.unique(ti).tolist():
+                sel = ti == t
+                by_tier[t] = int(sel.sum())
+                at = sel.nonzero().flatten()
+                if tiers[t].is_memory:
+                    src = torch.full((cap,), -1, dtype=torch.int32)
+                    dst = torch.full((cap,), -1, dtype=torch.int32)
+                    src[:len(at)], dst[:len(at)] = sl[sel], at.to(torch.int32)
+                    copies.append((t, arrays.put(src, torch.int32), arrays.put(dst, torch.int32)))
+                else:
+                    reads.append((t, sl[sel].tolist(), (c[sel] * p).tolist(), at.tolist()))
+            lse = torch.full((cap,), trash, dtype=torch.long)
+            lse[:len(part)] = r * self.max_pages + c
+            first = torch.zeros(cap, dtype=torch.long)
+            first[:len(part)] = self._first_lane(r, c)
+            specs.append((arrays.table(
+                torch.arange(cap), torch.cumsum(per_row, 0) - per_row, per_row,
+                torch.where(per_row > 0, p, 0), lse, first if padded else None),
+                copies, reads, by_tier))
+        dev = arrays.upload(self.device, storage)
+        batches = [ColdBatch(dev.table(t), [(i, dev[s], dev[d]) for i, s, d in copies], reads,
+                             by_tier) for t, copies, reads, by_tier in specs]
+        return batches, dev.storage
+
+
+class _Arrays:
+    """Host arrays gathered for one upload: one host-to-device copy per dtype, into the previous
+    upload's storage when the sizes match (so the device addresses stay the same)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[torch.dtype, list[torch.Tensor]] = {torch.int32: [], torch.int64: []}
+
+    def put(self, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.dtype, int]:
+        self.parts[dtype].append(t.to(dtype).flatten())
+        return dtype, len(self.parts[dtype]) - 1
+
+    def table(self, indices, row_start, row_count, last, lse, first) -> dict:
+        i32 = torch.int32
+        return dict(indices=self.put(indices, i32), row_start=self.put(row_start, i32),
+                    row_count=self.put(row_count, i32), last=self.put(last, i32),
+                    lse=self.put(lse, i32), first=self.put(first, i32) if first is not None
+                    else None, counts=row_count.tolist())
+
+    def upload(self, device: torch.device, storage: tuple | None) -> _Uploaded:
+        bufs, views = [], {}
+        for i, (dtype, parts) in enumerate(self.parts.items()):
+            host = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+            prev = storage[i] if storage is not None else None
+            if prev is not None and prev.numel() == host.numel():
+                buf = prev.copy_(host)
+            else:
+                buf = host.to(device) if device.type != "cpu" else host
+            bufs.append(buf)
+            pos = 0
+            for j, t in enumerate(parts):
+                views[dtype, j] = buf[pos:pos + t.numel()]
+                pos += t.numel()
+        return _Uploaded(tuple(bufs), views)
+
+
+@dataclass
+class _Uploaded:
+    storage: tuple
+    views: dict
+
+    def __getitem__(self, key: tuple) -> torch.Tensor:
+        return self.views[key]
+
+    def table(self, spec: dict) -> DeviceTable:
+        return DeviceTable(
+            PageTable(indices=self[spec["indices"]], row_start=self[spec["row_start"]],
+                      row_count=self[spec["row_count"]], last_page_len=self[spec["last"]]),
+            self[spec["lse"]], self[spec["first"]] if spec["first"] is not None else None,
+            spec["counts"])

@@ -21,7 +21,7 @@ from tierattn.config import TierConfig
 from tierattn.errors import KVCapacityError
 from tierattn.importance import Importance
 from tierattn.mover import Mover
-from tierattn.pagemap import HOT, NONE, PageMap
+from tierattn.pagemap import HOT, NONE, LayerTables, PageMap
 
 __all__ = ["H2O", "AllCold", "Budgets", "ByMass", "ByQuest", "DemotionRank", "Eviction",
            "Hybrid", "Policies", "QuestTopK", "RandomEviction", "Recall", "SnapKV",
@@ -31,10 +31,11 @@ __all__ = ["H2O", "AllCold", "Budgets", "ByMass", "ByQuest", "DemotionRank", "Ev
 # --- demotion ranks --------------------------------------------------------------------------
 
 class DemotionRank:
-    """Importance of hot pages for demotion: ``rank(layer, n_pages) -> [B, n_pages]`` (higher
-    stays hot)."""
+    """Importance of hot pages for demotion: ``rank(layer, n_pages) -> [B, n_pages]`` on the host
+    (higher stays hot), from the layer's importance snapshot (:meth:`Importance.host`)."""
 
     needs_mass = False  # reads the accumulated attention mass (the kernels must return it)
+    needs_bound = False  # reads the Quest bound of the latest query over every page
 
     def __init__(self, importance: Importance) -> None:
         self.importance = importance
@@ -49,38 +50,33 @@ class ByMass(DemotionRank):
     needs_mass = True
 
     def rank(self, layer, n_pages):
-        return self.importance.mass[layer][:, :n_pages]
+        return self.importance.host(layer).mass[:, :n_pages]
 
 
 class ByQuest(DemotionRank):
     """Quest bound of the latest decode query (accumulated mass before the first one)."""
 
-    def bound(self, layer: int, n_pages: int) -> torch.Tensor | None:
-        q = self.importance.last_q[layer]
-        if q is None:
-            return None
-        b = q.shape[0]
-        rows = [torch.arange(n_pages)] * b
-        return self.importance.quest_bound(layer, q, rows).view(b, n_pages)
+    needs_bound = True
 
     def rank(self, layer, n_pages):
-        bound = self.bound(layer, n_pages)
-        return self.importance.mass[layer][:, :n_pages] if bound is None else bound
+        snap = self.importance.host(layer, bound=True)
+        return (snap.mass if snap.bound is None else snap.bound)[:, :n_pages]
 
 
-class Hybrid(ByQuest):
+class Hybrid(DemotionRank):
     """Normalised sum of the accumulated mass and the latest query's Quest bound."""
 
     needs_mass = True
+    needs_bound = True
 
     def rank(self, layer, n_pages):
-        mass = self.importance.mass[layer][:, :n_pages]
-        bound = self.bound(layer, n_pages)
-        if bound is None:
+        snap = self.importance.host(layer, bound=True)
+        mass = snap.mass[:, :n_pages]
+        if snap.bound is None:
             return mass
         norm = lambda x: (x - x.min(1, keepdim=True).values) / (
             x.max(1, keepdim=True).values - x.min(1, keepdim=True).values + 1e-12)
-        return norm(mass) + norm(bound)
+        return norm(mass) + norm(snap.bound[:, :n_pages])
 
 
 # --- eviction baselines ------------------------------------------------------------------------
@@ -90,6 +86,7 @@ class Eviction:
     (lowest dropped first), as the baseline's authors define it."""
 
     needs_mass = False  # ranks by accumulated attention mass
+    needs_importance = False  # ranks from the importance snapshot (else from positions)
     window_mass = False  # needs the prompt's observation-window mass (SnapKV)
     one_shot = False  # evicts once, when decoding starts, and keeps every later token
 
@@ -107,9 +104,10 @@ class H2O(Eviction):
     """Heavy-Hitter Oracle (Zhang et al., 2023): drop the lowest accumulated attention."""
 
     needs_mass = True
+    needs_importance = True
 
     def rank(self, layer, n_pages):
-        return self.importance.mass[layer][:, :n_pages]
+        return self.importance.host(layer).mass[:, :n_pages]
 
 
 class StreamingLLM(Eviction):
@@ -139,6 +137,7 @@ class SnapKV(Eviction):
     ``snapkv_window`` prompt queries attend least (max-pooled over ``kernel`` pages)."""
 
     window_mass = True
+    needs_importance = True
     one_shot = True
 
     def __init__(self, importance: Importance, pages: PageMap, kernel: int) -> None:
@@ -146,9 +145,7 @@ class SnapKV(Eviction):
         self.kernel = kernel
 
     def rank(self, layer, n_pages):
-        snap = self.importance.snap[layer]
-        if snap is None:
-            snap = torch.zeros(self.pages.batch_size, self.pages.max_pages)
+        snap = self.importance.host(layer).snap
         k = self.kernel
         return torch.nn.functional.max_pool1d(snap[:, None, :n_pages], k, stride=1,
                                               padding=k // 2)[:, 0, :n_pages]
@@ -157,78 +154,43 @@ class SnapKV(Eviction):
 # --- recall ------------------------------------------------------------------------------------
 
 class Recall:
-    """Which cold pages a decode query attends (``select``) and which pages to fetch ahead for
-    a layer (``prefetch``)."""
+    """Which cold pages a decode query attends: all of them (``exact``), or the ``budget``
+    pages per sequence with the best ``scores``, computed on the device."""
+
+    exact = False
 
     def __init__(self, importance: Importance, pages: PageMap, config: TierConfig) -> None:
         self.importance, self.pages, self.config = importance, pages, config
 
-    def select(self, layer: int, q: torch.Tensor, cold: torch.Tensor) -> list[list[int]]:
-        """Pages per sequence (sorted) among ``cold [B, n_pages]`` that query ``q [B, H_q, D]``
-        attends."""
-        raise NotImplementedError
+    def budget(self, layer: int) -> int:
+        """Pages recalled per sequence at ``layer``'s current length (host)."""
+        return 0
 
-    def prefetch(self, layer: int, q: torch.Tensor | None,
-                 cold: torch.Tensor) -> list[list[int]] | None:
-        """Pages per sequence to fetch for ``layer`` before it runs; ``q`` is the decode query
-        of the layer before (None after a prefill chunk)."""
+    def scores(self, layer: int, q: torch.Tensor, tabs: LayerTables) -> torch.Tensor:
+        """``[B, max_pages]`` score of each recall candidate of ``tabs`` (-inf past a row's
+        candidates) for the decode query ``q [B, H_q, D]``, on the device."""
         raise NotImplementedError
-
-    def reset(self) -> None:  # noqa: B027 - stateless by default
-        """Forget per-step state (after a reorder or a load)."""
 
 
 class AllCold(Recall):
     """Exact attention: every cold page comes back, every step."""
 
-    def select(self, layer, q, cold):
-        return self.pages.page_lists(cold)
-
-    def prefetch(self, layer, q, cold):
-        return self.pages.page_lists(cold)
+    exact = True
 
 
 class QuestTopK(Recall):
     """Quest (Tang et al., 2024): the ``recall_budget`` cold pages with the highest bound
-    ``sum_d max(q_d kmax_d, q_d kmin_d)``, the query heads of a GQA group aggregated.
+    ``sum_d max(q_d kmax_d, q_d kmin_d)``, the query heads of a GQA group aggregated (max)
+    and the selection shared by the KV heads (max over them)."""
 
-    Prefetching (``speculative``) scores the next layer's pages with this layer's query, or
-    (layer-ahead) fetches the next layer's selection of the previous step."""
+    def budget(self, layer):
+        n = self.pages.num_pages(layer)
+        return self.config.pages(self.config.recall_budget, n, self.pages.length(layer))
 
-    def __init__(self, importance: Importance, pages: PageMap, config: TierConfig) -> None:
-        super().__init__(importance, pages, config)
-        self.speculative = config.prefetch == "speculative"
-        self.selection: list[list[list[int]] | None] = [None] * pages.num_layers
-
-    def top(self, layer: int, q: torch.Tensor, cold: torch.Tensor) -> list[list[int]]:
-        cfg = self.config
-        rows = [c.nonzero().flatten() for c in cold]
-        k = cfg.pages(cfg.recall_budget, cold.shape[1], self.pages.length(layer))
-        if k == 0 or not any(r.numel() for r in rows):
-            return [[] for _ in rows]
-        bound = self.importance.quest_bound(layer, q, rows)
-        out, pos = [], 0
-        for r in rows:
-            c = r.numel()
-            best = torch.topk(bound[pos:pos + c], min(k, c)).indices
-            out.append(sorted(r[best].tolist()))
-            pos += c
-        return out
-
-    def select(self, layer, q, cold):
-        self.selection[layer] = self.top(layer, q, cold)
-        return self.selection[layer]
-
-    def prefetch(self, layer, q, cold):
-        if q is None:
-            return None
-        if self.speculative:
-            return self.top(layer, q, cold)
-        previous = self.selection[layer] or [[] for _ in range(self.pages.batch_size)]
-        return [[pg for pg in sel if cold[bi, pg]] for bi, sel in enumerate(previous)]
-
-    def reset(self):
-        self.selection = [None] * self.pages.num_layers
+    def scores(self, layer, q, tabs):
+        b, mp = self.pages.batch_size, self.pages.max_pages
+        bound = self.importance.quest_bound(layer, q, tabs.candidates.table)
+        return bound.max(-1).values.view(b, mp)
 
 
 # --- the budgets ---------------------------------------------------------------------------------
@@ -268,6 +230,41 @@ class Budgets:
         self.config, self.pages, self.policies, self.mover = config, pages, policies, mover
         self.num_tiers = num_tiers
         self.pruned = [False] * pages.num_layers  # one-shot eviction done, per layer
+        self._done: list[tuple | None] = [None] * pages.num_layers  # (version, key) applied
+
+    def reset(self) -> None:
+        self.pruned = [False] * self.pages.num_layers
+        self._done = [None] * self.pages.num_layers
+
+    def _key(self, layer: int, length: int, decode: bool) -> tuple:
+        """What a decision at ``length`` depends on besides the map: it changes only at lengths
+        the host knows (a page boundary, an eviction target, a window edge, decoding starts)."""
+        st, p = self.pages.layers[layer], self.pages.page_size
+        if st.window is not None:
+            return ("window", (length - st.window + 1) // p, -(-length // p))
+        key: tuple = (-(-length // p), decode and self.policies.eviction.one_shot)
+        if self.evicts:
+            key += tuple(self.evict_pages(length - pad) for pad in self.pages.pad.tolist())
+        return key
+
+    def due(self, layer: int, *, decode: bool) -> bool:
+        """Whether :meth:`rebalance` may change anything now: after a prompt chunk always;
+        during decoding only when the map or the key changed since the last one."""
+        st = self.pages.layers[layer]
+        return not decode or self._done[layer] != (st.version, self._key(layer, st.length, True))
+
+    def due_next(self, layer: int) -> bool:
+        """Whether a decision will be due at the next decode step (its inputs are then copied
+        to the host ahead, asynchronously)."""
+        st = self.pages.layers[layer]
+        return self._done[layer] != (st.version, self._key(layer, st.length + 1, True))
+
+    def needs_importance(self) -> bool:
+        """Whether a decision reads the importance snapshot (so one is taken ahead)."""
+        demotes = self.num_tiers > 1
+        return (demotes and (self.policies.demotion.needs_mass or
+                             self.policies.demotion.needs_bound)) or \
+            (self.evicts and self.policies.eviction.needs_importance)
 
     @property
     def evicts(self) -> bool:
@@ -287,6 +284,12 @@ class Budgets:
         return int(tokens // self.pages.page_size)
 
     def rebalance(self, layer: int, decode: bool) -> None:
+        """Evict, then demote, as the budgets require (see the class docstring)."""
+        self._rebalance(layer, decode)
+        st = self.pages.layers[layer]
+        self._done[layer] = (st.version, self._key(layer, st.length, decode))
+
+    def _rebalance(self, layer: int, decode: bool) -> None:
         st, cfg, p = self.pages.layers[layer], self.config, self.pages.page_size
         n_pages = self.pages.num_pages(layer)
         if n_pages == 0:

@@ -1,15 +1,23 @@
-"""Prefetcher: the staging ring on the device and the layer-ahead prefetch of cold pages.
+"""Prefetcher: the staging ring on the device, the layer-ahead prefetch, and recall.
 
-Cold pages take part in attention through a staging buffer on the device: :meth:`Prefetcher.fetch`
-yields batches of them resident there (one page-copy launch per source tier, usually already in
-flight: while layer ``l`` computes, :meth:`Prefetcher.start` fetches what layer ``l+1`` will
-attend). ``RING`` buffers rotate so that layer ``l+1``'s prefetch lands while layer ``l`` reads its
-own; a buffer is refilled only after the kernel that read it (the compute fence).
+Cold pages take part in attention through a staging buffer on the device. For exact attention
+(``attend="all"``) a layer's cold pages and the copies that stage them are fixed between
+structural edits, so they are part of the layer's device tables (:class:`~tierattn.pagemap.
+ColdBatch`): while layer ``l`` computes, :meth:`Prefetcher.start` launches layer ``l+1``'s copies,
+and layer ``l+1`` attends the staged pages after waiting on their event. For recall
+(``attend="topk"``) the pages are chosen per step on the device (:meth:`Prefetcher.recall`): the
+top ``k`` candidates by a policy's scores, copied by slot lists built on the device; with the
+layer-ahead prefetch, the previous step's selection of the layer is staged ahead and only the
+pages it missed are copied when the layer runs. Hits and recalled pages are counted on the
+device; nothing is read back during a step.
+
+``RING`` buffers rotate so that layer ``l+1``'s prefetch lands while layer ``l`` reads its own; a
+buffer is refilled only after the kernel that read it (the compute fence).
 
 :meth:`Prefetcher.attend_cold` is the seam of the "where does cold attention run" strategy: it
-turns the cold pages a query needs into partial attention states ``(out, lse)`` that the cache
-merges by LSE with the hot set's. This class fetches the pages and runs a kernel on the device;
-a strategy that attends on the host (CPU attention over the DDR pool, only ``q`` and the small
+turns the cold pages a query needs into partial attention states that the cache merges by LSE
+with the hot set's. This class stages pages on the device and runs the caller's kernel there; a
+strategy that attends on the host (CPU attention over the DDR pool, only ``q`` and the small
 partial state crossing the bus) would implement the same method.
 """
 
@@ -22,7 +30,7 @@ import torch
 
 from tierattn.kernels import PageTable
 from tierattn.mover import Mover
-from tierattn.pagemap import PageMap, Staged
+from tierattn.pagemap import ColdBatch, DeviceTable, LayerTables, PageMap
 from tierattn.telemetry import Telemetry
 from tierattn.tiers import MemoryTier
 from tierattn.transfer import TransferEngine
@@ -40,11 +48,25 @@ def ring_slot(step: int, layer: int, num_layers: int, ring: int = RING) -> int:
 
 
 @dataclass
+class _Selection:
+    """A recall selection of one layer: ``[B, k]`` device tensors (padding entries -1)."""
+
+    cols: torch.Tensor  # long: logical pages
+    src: torch.Tensor  # long: tier * 2**32 + slot
+    k: int
+    version: int  # cold_version of the layer's tables it was chosen from
+    pages: int  # real entries (host)
+
+
+@dataclass
 class _InFlight:
-    tickets: list  # one per source tier
+    """Copies started for a layer before it runs."""
+
+    tickets: list
     buffer: int
-    pages: list[list[int]]  # per sequence, logical pages in flight
-    slots: list[list[int]]  # their staging slots
+    version: int  # cold_version of the layer's tables the copies were built from
+    pages: int
+    selection: _Selection | None = None  # recall: the selection staged (first half of buffer)
 
 
 class Prefetcher:
@@ -63,11 +85,17 @@ class Prefetcher:
                  engine: TransferEngine, telemetry: Telemetry) -> None:
         self.num_layers, self.staging_pages = num_layers, staging_pages
         self.pages, self.mover, self.engine, self.telemetry = pages, mover, engine, telemetry
+        self.device = device
         tier = MemoryTier("staging", 1, RING * staging_pages, page_shape, dtype, device)
         self.buffers = tier.pools[0].view(RING, staging_pages, *page_shape)
         self.calls = [0] * num_layers  # attend calls per layer: the step index of the ring
         self.in_flight: list[_InFlight | None] = [None] * num_layers
+        self.selection: list[_Selection | None] = [None] * num_layers
         self.fence = None  # compute work a copy into a reused staging buffer must wait for
+        self._recall_tables: dict[tuple, DeviceTable] = {}
+        # staging slot numbers, and each sequence's first row of a per-page buffer
+        self._slots = torch.arange(staging_pages, dtype=torch.int32, device=device)
+        self._row_base = (torch.arange(pages.batch_size, device=device) * pages.max_pages)[:, None]
 
     def next_buffer(self, layer: int) -> int:
         """The buffer ``layer``'s attend call reads (advances the layer's ring position)."""
@@ -79,109 +107,175 @@ class Prefetcher:
         """A kernel was just launched on a staging buffer: later copies into it wait for it."""
         self.fence = self.engine.fence()
 
-    # --- fetching ------------------------------------------------------------------------------
+    # --- exact attention: the layer's static cold batches ---------------------------------------
 
-    def attend_cold(self, layer: int, need: list[list[int]], buffer: int,
-                    kernel: Callable[[torch.Tensor, PageTable, Staged], object]
-                    ) -> Iterator[tuple[object, PageTable, Staged]]:
-        """Partial attention states over the cold pages ``need`` (per sequence): for each batch
-        staged on the device, ``kernel(pool, table, batch)`` (a decode or prefill launch) and the
-        batch's table. A buffer is reused only after the kernel that read it."""
-        for run in self.fetch(layer, need, buffer):
-            table = self.pages.staged_table(run)
-            part = kernel(self.buffers[run.buffer], table, run)
-            self.mark_read()
-            yield part, table, run
+    def _copy(self, layer: int, batch: ColdBatch, buffer: int, *, after: object,
+              wait: bool) -> list:
+        """Launch ``batch``'s copies into staging ``buffer``: one per source tier."""
+        pool = self.buffers[buffer]
+        tickets = [self.mover.copy_slots(layer, t, src, pool, dst, pages=batch.pages_by_tier[t],
+                                         after=after, wait=wait)
+                   for t, src, dst in batch.copies]
+        for t, src, starts, dst in batch.reads:
+            self.mover.read_into(layer, t, src, starts, pool, dst)
+        return tickets
 
-    def fetch(self, layer: int, need: list[list[int]], buffer: int) -> Iterator[Staged]:
-        """Yield :class:`Staged` batches holding every page in ``need`` (per sequence), each
-        ready to read. Pages already prefetched for this layer are used in place (hits)."""
+    def stage(self, layer: int, tabs: LayerTables, buffer: int
+              ) -> Iterator[tuple[DeviceTable, torch.Tensor]]:
+        """Yield ``layer``'s cold batches staged on the device: the prefetched one in place
+        (hits), the others copied now into ``buffer``, each after the previous was read."""
         tel = self.telemetry.layers[layer]
-        pre, self.in_flight[layer] = self.in_flight[layer], None
-        buffer = pre.buffer if pre else buffer
-        for other, fl in enumerate(self.in_flight):
-            if fl is not None and fl.buffer == buffer:
-                # layers attended out of order: another layer's prefetch targets this buffer;
-                # let it land and drop it rather than overwrite a copy in flight
-                self.cancel(other)
-        if not any(need):
+        pre = self._take(layer, buffer)
+        if pre is not None:
+            self._wait_all(pre.tickets)
+            if pre.version == tabs.cold_version and pre.selection is None:
+                tel.prefetch_hits += pre.pages  # every cold page arrived ahead of the layer
+                yield tabs.cold[0].table, self.buffers[pre.buffer]
+                return
+            tel.wasted_prefetches += pre.pages
+        for batch in tabs.cold:
+            # a reused buffer is refilled after the kernel that read its previous batch
+            self._copy(layer, batch, buffer, after=self.fence, wait=True)
             if pre is not None:
-                tel.wasted_prefetches += sum(len(x) for x in pre.pages)
-                self._wait_all(pre.tickets)
-            return
-        if pre is not None and pre.pages == need:  # the prefetch brought exactly what is needed
-            self._wait_all(pre.tickets)
-            tel.prefetch_hits += sum(len(x) for x in need)
-            yield Staged(buffer, pre.pages, pre.slots)
-            return
-        first = Staged(buffer)
-        used = set()
-        if pre is not None:
-            self._wait_all(pre.tickets)
-            for bi, (pages, slots) in enumerate(zip(pre.pages, pre.slots)):
-                want = set(need[bi])
-                keep = [(pg, sl) for pg, sl in zip(pages, slots) if pg in want]
-                first.pages.append([pg for pg, _ in keep])
-                first.slots.append([sl for _, sl in keep])
-                used.update(sl for _, sl in keep)
-                tel.prefetch_hits += len(keep)
-                tel.wasted_prefetches += len(pages) - len(keep)
-        else:
-            first.pages = [[] for _ in need]
-            first.slots = [[] for _ in need]
-        staged = [set(x) for x in first.pages]  # one set per sequence, not one per page
-        missing = [[pg for pg in need[bi] if pg not in staged[bi]] for bi in range(len(need))]
-        n_missing = sum(len(x) for x in missing)
-        if pre is not None:
-            tel.late_misses += n_missing
-        run = first
-        todo = [(bi, pg) for bi in range(len(missing)) for pg in missing[bi]]
-        # the staging slots the prefetch left free (only listed when something is missing)
-        free = ([s for s in range(self.staging_pages) if s not in used] if used else
-                list(range(self.staging_pages))) if todo else []
-        while todo:
-            if not free:  # buffer full: attend what is staged, then reuse the buffer
-                yield run
-                run = Staged(run.buffer, [[] for _ in need], [[] for _ in need])
-                free = list(range(self.staging_pages))
-            batch, todo = todo[:len(free)], todo[len(free):]
-            slots, free = free[:len(batch)], free[len(batch):]
-            # after the fence of the kernel that read this buffer's previous batch
-            pairs = torch.tensor(batch, dtype=torch.long).view(-1, 2)
-            self.mover.fetch(layer, pairs[:, 0], pairs[:, 1], self.buffers[run.buffer],
-                             torch.tensor(slots, dtype=torch.long), after=self.fence)
-            for (bi, pg), sl in zip(batch, slots):
-                run.pages[bi].append(pg)
-                run.slots[bi].append(sl)
-        yield run
+                tel.late_misses += batch.table.total
+            yield batch.table, self.buffers[buffer]
 
-    def start(self, layer: int, pages: list[list[int]]) -> None:
-        """Start copying ``pages`` (per sequence) of ``layer`` into the buffer its next attend
-        call reads; a set larger than a buffer is left to that call (it streams in batches)."""
-        total = sum(len(x) for x in pages)
-        if total == 0 or total > self.staging_pages:
+    # --- recall: pages chosen per step on the device -------------------------------------------
+
+    def recall(self, layer: int, tabs: LayerTables, scores: torch.Tensor, k: int,
+               buffer: int) -> Iterator[tuple[DeviceTable, torch.Tensor]]:
+        """Stage the ``k`` candidates of each sequence with the highest ``scores [B, max_pages]``
+        (aligned with ``tabs``' candidates; padding scores -inf) and yield their table. Pages the
+        layer-ahead prefetch staged are used in place (hits); only the others are copied."""
+        b = self.pages.batch_size
+        pre = self._take(layer, buffer)
+        if pre is not None:
+            self._wait_all(pre.tickets)
+        table = self._recall_table(tabs, k)
+        tel = self.telemetry.layers[layer]
+        if not table.total:
+            if pre is not None:
+                tel.wasted_prefetches += pre.pages
             return
+        # sorted: a row with fewer than k candidates gets its real ones first (padding is -inf)
+        idx = torch.topk(scores, k, dim=1).indices  # [B, k]
+        cols, src = tabs.cand_cols.gather(1, idx), tabs.cand_src.gather(1, idx)
+        if table.first_lane is not None:  # padding lanes of the picked pages
+            table.first_lane.copy_(tabs.cand_first.gather(1, idx).view(-1))
+        table.lse_index.copy_(
+            torch.where(cols >= 0, self._row_base[:b] + cols, b * self.pages.max_pages).view(-1))
+        sel = pre.selection if pre is not None and pre.selection is not None and \
+            pre.selection.version == tabs.cold_version and pre.selection.k == k else None
+        slots = self._slots[:b * k].view(b, k)
+        if sel is None:  # everything is fetched now, into the first half
+            pool, fetch = self.buffers[buffer], src
+            if pre is not None:
+                tel.wasted_prefetches += pre.pages
+                tel.late_misses += table.total
+        else:  # the prefetched pages are used in place; the misses go to the second half
+            pool = self.buffers[pre.buffer]
+            eq = (cols[:, :, None] == sel.cols[:, None, :]) & (cols >= 0)[:, :, None]
+            hit = eq.any(-1)
+            slots = torch.where(hit, eq.to(torch.int8).argmax(-1).to(torch.int32) +
+                                slots[:, :1], slots + b * k)
+            fetch = src.masked_fill(hit, -1)
+            self.mover.count_hits(layer, hit)
+            # counted as if nothing hit; stats() moves the device-counted hits across
+            tel.late_misses += table.total
+            tel.wasted_prefetches += sel.pages
+        table.table.indices.copy_(slots.view(-1))
+        self.mover.copy_recalled(layer, fetch, cols, pool, slots, after=self.fence)
+        self.selection[layer] = _Selection(cols, src, k, tabs.cold_version, table.total)
+        yield table, pool
+
+    def _recall_table(self, tabs: LayerTables, k: int) -> DeviceTable:
+        """The staged table of a ``k``-page selection: row ``b`` at ``b * k`` with
+        ``min(k, count_b)`` entries (the slots and page rows are written per step)."""
+        b = self.pages.batch_size
+        counts = [min(k, c) for c in tabs.candidates.counts]
+        key = (k, tuple(counts), tabs.cand_first is not None)
+        table = self._recall_tables.get(key)
+        if table is None:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            table = DeviceTable(
+                PageTable(indices=torch.zeros(b * k, **i32), row_start=torch.arange(b, **i32) * k,
+                          row_count=torch.tensor(counts, **i32),
+                          last_page_len=torch.tensor(
+                              [self.pages.page_size if c else 0 for c in counts], **i32)),
+                torch.zeros(b * k, **i32),
+                torch.zeros(b * k, **i32) if tabs.cand_first is not None else None, counts)
+            self._recall_tables = {key: table}  # one selection size at a time
+        return table
+
+    # --- the seam ------------------------------------------------------------------------------
+
+    def attend_cold(self, layer: int, tabs: LayerTables, buffer: int,
+                    kernel: Callable[[torch.Tensor, DeviceTable], object], *,
+                    recall: bool = False, scores: torch.Tensor | None = None,
+                    k: int = 0) -> Iterator[object]:
+        """Partial attention states over ``layer``'s cold pages: all of them, or with
+        ``recall`` the ``k`` best per sequence by ``scores``; ``kernel(pool, table)`` runs on
+        each staged batch (a decode or prefill launch)."""
+        staged = self.recall(layer, tabs, scores, k, buffer) if recall else \
+            self.stage(layer, tabs, buffer)
+        for table, pool in staged:
+            part = kernel(pool, table)
+            self.mark_read()
+            yield part
+
+    # --- layer-ahead prefetch ------------------------------------------------------------------
+
+    def start(self, layer: int, tabs: LayerTables, *, recall: bool) -> None:
+        """Start copying what ``layer`` will attend into the buffer its next attend call reads:
+        its cold pages (exact), or its previous selection (recall), if one batch holds them and
+        no disk read is needed."""
         buffer = ring_slot(self.calls[layer], layer, self.num_layers)
-        slots, pos = [], 0
-        for row in pages:
-            slots.append(list(range(pos, pos + len(row))))
-            pos += len(row)
-        entries = Staged(buffer, pages).entries
-        tickets = self.mover.fetch(layer, entries.rows, entries.cols, self.buffers[buffer],
-                                   torch.arange(total), after=self.engine.fence(), wait=False)
-        self.in_flight[layer] = _InFlight(tickets, buffer, pages, slots)
+        if not recall:
+            if len(tabs.cold) != 1 or tabs.cold[0].reads:
+                return  # several batches (or disk reads): the layer streams them itself
+            batch = tabs.cold[0]
+            tickets = self._copy(layer, batch, buffer, after=self.engine.fence(), wait=False)
+            self.in_flight[layer] = _InFlight(tickets, buffer, tabs.cold_version,
+                                              batch.table.total)
+            return
+        sel = self.selection[layer]
+        b = self.pages.batch_size
+        if sel is None or sel.version != tabs.cold_version or not sel.pages or \
+                self.mover.on_disk(layer) or 2 * b * sel.k > self.staging_pages:
+            return
+        k = sel.k
+        slots = self._slots[:b * k].view(b, k)
+        tickets = self.mover.copy_recalled(layer, sel.src, sel.cols, self.buffers[buffer], slots,
+                                           after=self.engine.fence(), wait=False)
+        self.in_flight[layer] = _InFlight(tickets, buffer, tabs.cold_version, sel.pages, sel)
 
     def cancel(self, layer: int) -> None:
         """Let ``layer``'s copies in flight land, then forget them (their buffer is free)."""
         fl = self.in_flight[layer]
         if fl is not None:
             self._wait_all(fl.tickets)
-            self.telemetry.layers[layer].wasted_prefetches += sum(len(x) for x in fl.pages)
+            self.telemetry.layers[layer].wasted_prefetches += fl.pages
             self.in_flight[layer] = None
 
     def cancel_all(self) -> None:
         for layer in range(self.num_layers):
             self.cancel(layer)
+
+    def reset(self) -> None:
+        """Forget every prefetch, selection and ring position (after a load or reorder)."""
+        self.cancel_all()
+        self.selection = [None] * self.num_layers
+        self.calls = [0] * self.num_layers
+
+    def _take(self, layer: int, buffer: int) -> _InFlight | None:
+        """``layer``'s prefetch (now its own to use). Another layer's prefetch into the buffer
+        this call may write (layers attended out of order) is let land and dropped."""
+        pre, self.in_flight[layer] = self.in_flight[layer], None
+        targets = {buffer, pre.buffer} if pre is not None else {buffer}
+        for other, fl in enumerate(self.in_flight):
+            if fl is not None and fl.buffer in targets:
+                self.cancel(other)
+        return pre
 
     def _wait_all(self, tickets: list) -> None:
         for ticket in tickets:

@@ -45,7 +45,7 @@ def save(cache, directory: str | Path) -> Path:
         tensors[f"layer{layer}.pages"] = cache.mover.read(layer, live[:, 0], live[:, 1])
         tensors[f"layer{layer}.tier"] = st.tier.to(torch.int32)
         tensors[f"layer{layer}.evicted"] = st.evicted.to(torch.uint8)
-        tensors[f"layer{layer}.mass"] = cache.importance.mass[layer].clone()
+        tensors[f"layer{layer}.mass"] = cache.importance.of(layer).cpu()
         tensors[f"layer{layer}.length"] = torch.tensor([st.length], dtype=torch.int64)
     key = hashlib.sha256(f"{cache.fingerprint}:{time.time_ns()}".encode()).hexdigest()
     return write_kv_file(directory, key, tensors, _meta(cache))
@@ -103,11 +103,12 @@ def load(cache, path: str | Path) -> None:
     pages = cache.pages
     pages.alive = data["alive"].bool()
     pages.pad = data["pad"].clamp(min=0)
+    pages.sequences_changed()
     for layer, (tier, live, length) in enumerate(plans):
         st = pages.layers[layer]
         st.length = length
         st.evicted = data[f"layer{layer}.evicted"].bool()
-        cache.importance.mass[layer] = data[f"layer{layer}.mass"].clone()
+        cache.importance.of(layer).copy_(data[f"layer{layer}.mass"])
         cache.mover.write(layer, live[:, 0], live[:, 1], tier[live[:, 0], live[:, 1]],
                           data[f"layer{layer}.pages"])
         cache.refresh_metadata(layer)

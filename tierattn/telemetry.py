@@ -1,13 +1,17 @@
 """Counters of the tiered cache: bytes moved per tier, launches, prefetch outcomes, evictions.
 
 Plain Python integers updated on the host next to the work they count, so they are cheap enough
-to stay on; :meth:`Telemetry.stats` aggregates them (per layer and in total) on request.
+to stay on, plus the few counts only the device knows during a decode step (kept in device
+tensors); :meth:`Telemetry.stats` aggregates them (per layer and in total) on request.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+import torch
 
 __all__ = ["LayerCounters", "Telemetry"]
 
@@ -51,20 +55,59 @@ class LayerCounters:
 
 
 class Telemetry:
-    """Per-layer counters plus the resident fractions computed by the cache at query time."""
+    """Per-layer counters plus the resident fractions computed by the cache at query time.
 
-    def __init__(self, num_layers: int) -> None:
+    What only the device knows during a decode step -- how many recalled pages came from each
+    tier, how many of them the layer-ahead prefetch had staged -- is counted on the device
+    (:meth:`count_recalled`, :meth:`count_hits`) and folded in by :meth:`stats` (the one read).
+    """
+
+    def __init__(self, num_layers: int, *, tier_kinds: tuple[str, ...] = (),
+                 page_bytes: int = 0, device: torch.device | None = None) -> None:
         self.layers = [LayerCounters() for _ in range(num_layers)]
         self.decoding = False  # the current attend is a decode step (counted apart)
+        self.tier_kinds, self.page_bytes = tier_kinds, page_bytes
+        # [L, tiers + 1] recalled pages per source tier (last: padding), [L] prefetch hits
+        self.recalled = torch.zeros(num_layers, len(tier_kinds) + 1, dtype=torch.int64,
+                                    device=device)
+        self.hits = torch.zeros(num_layers, dtype=torch.int64, device=device)
 
     def reset(self) -> None:
         self.layers = [LayerCounters() for _ in self.layers]
+        self.recalled.zero_()
+        self.hits.zero_()
+
+    def count_recalled(self, layer: int, tiers) -> None:
+        """Add recalled pages by source tier (``tiers``: tier index per page, padding = the
+        number of tiers), on the device."""
+        self.recalled[layer].scatter_add_(0, tiers.reshape(-1),
+                                          torch.ones_like(tiers.reshape(-1)))
+
+    def count_hits(self, layer: int, hit) -> None:
+        """Add recalled pages the prefetch had staged (``hit``: bool), on the device."""
+        self.hits[layer] += hit.sum()
+
+    def _fold_device(self) -> list[LayerCounters]:
+        """The host counters with the device-counted ones folded in (copies; one read)."""
+        recalled, hits = self.recalled.tolist(), self.hits.tolist()
+        out = []
+        for c, rec, h in zip(self.layers, recalled, hits):
+            c = copy.deepcopy(c)
+            for ti, n in enumerate(rec[:-1]):
+                if n:
+                    c.h2d_bytes[self.tier_kinds[ti]] += n * self.page_bytes
+                    c.h2d_decode_bytes += n * self.page_bytes
+            c.prefetch_hits += h
+            c.late_misses -= h
+            c.wasted_prefetches -= h
+            out.append(c)
+        return out
 
     def stats(self, residency: list[dict[str, float]]) -> dict:
         """``{"total": {...}, "layers": [{...}, ...]}``; ``residency[l]`` maps tier -> fraction
         of layer ``l``'s live tokens resident there."""
         per_layer = []
-        for counters, resident in zip(self.layers, residency):
+        for counters, resident in zip(self._fold_device(), residency):
             d = counters.as_dict()
             d["resident_fraction"] = resident
             per_layer.append(d)

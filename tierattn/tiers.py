@@ -63,6 +63,8 @@ class Tier(ABC):
     kind: str
     #: fill released slots with NaN (memory tiers), so a read after free shows
     poison_freed: bool = False
+    #: a pool tensor the copy kernel can read (False: pages are read through ``read``)
+    is_memory: bool = False
 
     def __init__(self, kind: str, num_layers: int, capacity: int, page_shape: tuple[int, ...],
                  dtype: torch.dtype) -> None:
@@ -108,6 +110,8 @@ class Tier(ABC):
 
 class MemoryTier(Tier):
     """A pool tensor ``[num_layers, capacity, *page_shape]`` allocated once, at construction."""
+
+    is_memory = True
 
     def __init__(self, kind: str, num_layers: int, capacity: int, page_shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device, *, pinned: bool = False,
@@ -262,10 +266,17 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
     capacities = [spec.capacity_pages if spec.capacity_pages is not None else
                   default[spec.kind] for spec in cfg.tiers]
     cold_max = b * max(0, mp - must_hot)
-    if staging_pages is None:
-        recall = cfg.pages(cfg.recall_budget, mp, cfg.max_context)
-        staging_pages = cold_max if cfg.attend == "all" else b * max(1, recall)
-    staging_pages = max(1, min(staging_pages, max(1, cold_max)))
+    if cfg.attend == "all":
+        staging_pages = max(1, min(staging_pages or cold_max, max(1, cold_max)))
+    else:  # recall: the selection, and as much again for the pages a prefetch missed
+        need = b * max(1, min(cfg.pages(cfg.recall_budget, mp, cfg.max_context),
+                              mp - must_hot))
+        if staging_pages is not None and staging_pages < need:
+            raise TierConfigError(
+                f"staging_pages={staging_pages} cannot hold the recall budget of the batch "
+                f"({need} pages at max_context); pass at least {need} (twice that lets the "
+                "layer-ahead prefetch work), or None.")
+        staging_pages = staging_pages or 2 * need
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     page_bytes = math.prod(page_shape) * itemsize

@@ -54,6 +54,16 @@ class TransferEngine(ABC):
     def synchronize(self) -> None:  # noqa: B027 - synchronous engines: nothing to do
         """Block until every copy issued so far has landed."""
 
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor) -> object:
+        """Start copying device tensor ``src`` into host tensor ``dst`` (pinned on CUDA) after
+        the compute work issued so far; returns a ticket for :meth:`wait_host`. The one way the
+        runtime reads device state back: asynchronously, so no step waits on the device."""
+        dst.copy_(src)
+        return None
+
+    def wait_host(self, ticket: object) -> None:  # noqa: B027 - synchronous engines: done
+        """Block until the copy of ``ticket`` (from :meth:`to_host`) has landed on the host."""
+
 
 class CPUTransferEngine(TransferEngine):
     """Synchronous copies (CPU tensors, or any device when overlap is not wanted)."""
@@ -109,6 +119,16 @@ class CUDATransferEngine(TransferEngine):
     def synchronize(self):
         self.stream.synchronize()
 
+    def to_host(self, src, dst):
+        dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return done
+
+    def wait_host(self, ticket):
+        if ticket is not None:
+            ticket.synchronize()  # recorded a step earlier: normally already complete
+
 
 @dataclass
 class _Pending:
@@ -133,6 +153,10 @@ class FakeAsyncEngine(TransferEngine):
         self.landed = 0
 
     def copy(self, src_pool, src_slots, dst_pool, dst_slots, *, after=None):
+        # like the copy kernel, pairs with an out-of-range slot (-1 padding) copy nothing
+        ok = (src_slots >= 0) & (src_slots < src_pool.shape[0]) & (dst_slots >= 0) & \
+            (dst_slots < dst_pool.shape[0])
+        src_slots, dst_slots = src_slots[ok], dst_slots[ok]
         if not src_slots.numel():
             return None
         dst = set(dst_slots.tolist())
