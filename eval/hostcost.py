@@ -35,8 +35,11 @@ from collections.abc import Callable, Iterator
 import torch
 
 from tierattn.kernels import KernelSet
+from tierattn.transfer import CPUTransferEngine
 
-__all__ = ["KERNEL_NAMES", "KernelTimer", "attend_host_overhead", "reasoner_step_times"]
+__all__ = ["HOST_VARIANTS", "KERNEL_NAMES", "HostReads", "KernelTimer", "MetaEngine",
+           "OpCounter", "attend_host_overhead", "host_row", "reasoner_step_times",
+           "stub_kernels"]
 
 #: the kernel entry points the runtime calls through ``cache.kernels``
 KERNEL_NAMES = KernelSet.names()
@@ -168,6 +171,307 @@ class KernelTimer:
 
 
 _MISSING = object()
+
+
+# --- kernels replaced by instant stubs, and host reads counted --------------------------------
+
+def stub_kernels() -> KernelSet:
+    """A :class:`KernelSet` whose entry points return outputs of the right shapes at once (they
+    compute nothing): what is left of a step is the runtime's own work. Buffers passed as
+    ``out=`` are returned as they are; outputs are allocated on the inputs' device."""
+    from tierattn.kernels import DecodeOutput, PrefillOutput
+
+    def sparse_decode(q, kv_pool, page_table, *, out=None, lse=None, return_page_mass=False,
+                      page_lse=None, **_):
+        b, hq, d = q.shape
+        out = out if out is not None else torch.empty(b, hq, d, device=q.device)
+        lse = lse if lse is not None else torch.empty(b, hq, device=q.device)
+        mass = torch.zeros(page_table.indices.numel(), kv_pool.shape[3], device=q.device) \
+            if return_page_mass else None
+        return DecodeOutput(out, lse, mass, page_lse)
+
+    def paged_prefill(q, kv_pool, page_table, qo_indptr, *, return_page_mass=False, **_):
+        n, hq, d = q.shape
+        mass = torch.zeros(page_table.indices.numel(), kv_pool.shape[3], device=q.device) \
+            if return_page_mass else None
+        return PrefillOutput(torch.zeros(n, hq, d, device=q.device),
+                             torch.zeros(n, hq, device=q.device), mass)
+
+    def merge_states(o, lse, *, out=None, out_lse=None, **_):
+        return (out if out is not None else torch.empty(o.shape[1:], device=o.device),
+                out_lse if out_lse is not None else torch.empty(lse.shape[1:], device=o.device))
+
+    def merge_page_mass(o, lse, page_lse, mass, *, out=None, out_lse=None, **_):
+        return merge_states(o, lse, out=out, out_lse=out_lse)
+
+    def per_entry(table, heads, device):
+        return torch.zeros(table.indices.numel(), heads, device=device)
+
+    return KernelSet(
+        sparse_decode=sparse_decode,
+        decode_page_mass=lambda page_lse, lse, table, hkv, **_: per_entry(table, hkv,
+                                                                          lse.device),
+        merge_states=merge_states,
+        merge_page_mass=merge_page_mass,
+        page_metadata=lambda pool, slots, lens, *, kmin=None, kmax=None, **_: (kmin, kmax),
+        paged_prefill=paged_prefill,
+        paged_prefill_mass=lambda q, pool, table, qo, lse, **_: per_entry(table, pool.shape[3],
+                                                                          q.device),
+        quest_score=lambda q, kmin, kmax, table, **_: per_entry(table, kmin.shape[1], q.device),
+        copy_pages=lambda *a, **k: None)
+
+
+class MetaEngine(CPUTransferEngine):
+    """A transfer engine for a runtime on PyTorch's ``meta`` device (no data): its device-to-
+    host copies (:meth:`to_host`, the runtime's one sanctioned way back) are counted, not made."""
+
+    def __init__(self, backend: str | None = None) -> None:
+        super().__init__(backend)
+        self.to_host_calls = 0
+
+    def to_host(self, src, dst):
+        self.to_host_calls += 1
+        return None
+
+
+#: Tensor methods that read device data into host Python values
+_READ_METHODS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__",
+                 "__index__")
+#: operators whose output shape or value depends on the data (a sync on a GPU)
+_READ_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.unique",
+             "aten._unique", "aten.masked_select", "aten.repeat_interleave.Tensor",
+             "aten.is_nonzero", "aten.allclose")
+
+
+class HostReads:
+    """Counts host reads of device data while the block runs, for a runtime on the ``meta``
+    device (where every device tensor has no data, so a read cannot be served).
+
+    ``with HostReads() as reads: ...``: a ``Tensor`` method that reads values
+    (:data:`_READ_METHODS`) or an operator whose result depends on the data
+    (:data:`_READ_OPS`, boolean-mask indexing included) applied to a meta tensor is recorded
+    with the line of tierattn code that made it, and answered with a placeholder (zeros,
+    False) so the run goes on. Host tensors (the runtime's host map) are not counted.
+    ``reads.count`` and ``reads.sites`` hold the result.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.sites: Counter[str] = Counter()
+        self._saved: list[tuple[str, object]] = []
+        self._mode = None
+
+    def _record(self, what: str) -> None:
+        import traceback
+
+        self.count += 1
+        frames = [f for f in traceback.extract_stack()[:-2] if "/tierattn/" in f.filename
+                  or "/kernels/" in f.filename or "/models/" in f.filename]
+        where = f"{frames[-1].filename.rsplit('/', 2)[-2:]}:{frames[-1].lineno}" if frames \
+            else "?"
+        self.sites[f"{what} at {where}"] += 1
+
+    def __enter__(self) -> HostReads:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self
+
+        def patched(name: str, original):
+            def read(t, *args, **kwargs):
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    reads._record(f"Tensor.{name}()")
+                    if name in ("__bool__",):
+                        return False
+                    if name in ("__int__", "__index__", "item"):
+                        return 0
+                    if name == "__float__":
+                        return 0.0
+                    if name == "tolist":
+                        return torch.zeros(t.shape, dtype=t.dtype).tolist()
+                    return torch.zeros(t.shape, dtype=t.dtype)
+                return original(t, *args, **kwargs)
+            return read
+
+        for name in _READ_METHODS:
+            original = getattr(torch.Tensor, name)
+            self._saved.append((name, torch.Tensor.__dict__.get(name, _MISSING)))
+            setattr(torch.Tensor, name, patched(name, original))
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                indices = args[1] if name == "aten.index" and len(args) > 1 else ()
+                bool_index = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                 for i in (indices or ()))
+                if any(t.is_meta for t in tensors) and (
+                        name in _READ_OPS or str(func) in _READ_OPS or bool_index):
+                    reads._record(name)
+                    if name == "aten._local_scalar_dense":
+                        return 0
+                    if name in ("aten.equal", "aten.is_nonzero", "aten.allclose"):
+                        return False
+                    if name == "aten.nonzero":
+                        return torch.empty(0, tensors[0].dim(), dtype=torch.long, device="meta")
+                    return torch.empty(0, device="meta")
+                return func(*args, **kwargs)
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        for name, old in reversed(self._saved):
+            if old is _MISSING:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, old)
+        self._saved = []
+
+
+#: aten operators that only change a tensor's view (no kernel on a GPU)
+_VIEW_OPS = frozenset({
+    "aten.view", "aten._unsafe_view", "aten.slice", "aten.select", "aten.unsqueeze",
+    "aten.squeeze", "aten.t", "aten.expand", "aten.permute", "aten.alias", "aten.as_strided",
+    "aten._reshape_alias", "aten.detach", "aten.transpose", "aten.reshape", "aten.unbind",
+    "aten.split", "aten.split_with_sizes", "aten.lift_fresh", "aten.view_as_real",
+    "aten._to_copy_noop"})
+
+
+class OpCounter:
+    """Counts the torch operators a cache's own code dispatches while the block runs, the
+    kernel entry points of ``cache.kernels`` excluded (views are counted apart: on a GPU they
+    launch nothing)."""
+
+    def __init__(self, cache) -> None:
+        self.cache, self.ops, self.views = cache, 0, 0
+        self._paused = 0
+        self._saved: list[tuple[str, object]] = []
+
+    def __enter__(self) -> OpCounter:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        for name in KERNEL_NAMES:
+            fn = getattr(self.cache.kernels, name)
+            self._saved.append((name, fn))
+
+            def paused(*a, _fn=fn, **k):
+                counter._paused += 1
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    counter._paused -= 1
+            setattr(self.cache.kernels, name, paused)
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not counter._paused:
+                    name = str(getattr(func, "overloadpacket", func))
+                    if name in _VIEW_OPS:
+                        counter.views += 1
+                    else:
+                        counter.ops += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        for name, fn in self._saved:
+            setattr(self.cache.kernels, name, fn)
+
+
+#: the runtime variants of the host-cost rows: preset and overrides
+HOST_VARIANTS = {
+    "dense": ("dense", {}),
+    "offload": ("offload", {"hot_budget": 0.5}),
+    "topk": ("topk", {}),
+}
+
+
+def host_row(variant: str, context: int, batch: int, *, steps: int = 64, layers: int = 2,
+             page_size: int = 16, q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+             threads: int | None = 1) -> dict:
+    """The tiered runtime's own work per layer and decode step, kernels replaced by stubs.
+
+    Llama-8B-shaped KV (``q_heads``/``kv_heads``, ``head_dim``, bf16) at ``context`` tokens and
+    ``batch`` sequences, ``layers`` layers; after the prefill, ``steps`` decode steps (several
+    pages filled, so the structural work -- new pages, demotions, table rebuilds -- is in the
+    mean) are measured three ways:
+
+    * on the CPU under :class:`KernelTimer` with :func:`stub_kernels`: ``update`` + ``attend``
+      wall time minus the time inside the stubs, per layer and step (mean and median);
+    * on PyTorch's ``meta`` device (no data) under :class:`HostReads` and :class:`OpCounter`:
+      host reads of device data, torch operators and views the runtime dispatches;
+    * from the runtime's telemetry: kernel and copy launches.
+
+    Returns:
+        one row: ``variant, context, batch, host_us_per_layer_step`` (mean),
+        ``host_us_median``, ``launches_per_layer_step``, ``device_reads_per_layer_step``,
+        ``torch_ops_per_layer_step``, ``views_per_layer_step``,
+        ``to_host_copies_per_layer_step`` (asynchronous snapshots of the importance).
+    """
+    from tierattn.cache import TieredKVCache
+    from tierattn.config import TierConfig
+
+    preset, overrides = HOST_VARIANTS[variant]
+    chunk = min(context, 8192)
+    cfg = TierConfig.preset(preset, page_size=page_size, max_context=context + steps + page_size,
+                            prefill_chunk_size=chunk, backend="torch", **overrides)
+    per = steps * layers
+
+    def run(device: str, measure) -> tuple[TieredKVCache, object]:
+        engine = MetaEngine() if device == "meta" else None
+        cache = TieredKVCache(cfg, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                              batch_size=batch, dtype=torch.bfloat16, device=device,
+                              kernels=stub_kernels(), engine=engine)
+        kv = lambda t: torch.zeros(batch, kv_heads, t, head_dim, dtype=torch.bfloat16,
+                                   device=device)
+        q = torch.zeros(batch, q_heads, 1, head_dim, dtype=torch.bfloat16, device=device)
+        for start in range(0, context, chunk):
+            for layer in range(layers):
+                t = min(chunk, context - start)
+                cache.update(layer, kv(t), kv(t))
+                cache.attend(layer, q)
+        cache.telemetry.reset()
+        one = kv(1)
+        with measure(cache) as m:
+            for _ in range(steps):
+                for layer in range(layers):
+                    cache.update(layer, one, one)
+                    cache.attend(layer, q)
+        return cache, m
+
+    with _threads(threads):
+        cache, timer = run("cpu", KernelTimer)
+        tot = cache.stats()["total"]
+        launches = (tot["kernel_launches"] + tot["copy_launches_decode"]) / per
+        del cache
+
+        @contextlib.contextmanager
+        def reads_and_ops(c):
+            with HostReads() as reads, OpCounter(c) as ops:
+                yield (reads, ops)
+
+        meta, (reads, ops) = run("meta", reads_and_ops)
+    host = [a[2] - a[3] + u[2] - u[3] for a, u in zip(timer.attend, timer.update)]
+    return {
+        "variant": variant, "context": context, "batch": batch, "steps": steps,
+        "layers": layers,
+        "host_us_per_layer_step": statistics.fmean(host) * 1e6,
+        "host_us_median": statistics.median(host) * 1e6,
+        "launches_per_layer_step": launches,
+        "device_reads_per_layer_step": reads.count / per,
+        "torch_ops_per_layer_step": ops.ops / per,
+        "views_per_layer_step": ops.views / per,
+        "to_host_copies_per_layer_step": meta.engine.to_host_calls / per,
+        "read_sites": dict(reads.sites),
+    }
 
 
 def attend_host_overhead(cache, step: Callable[[int], object], steps: int, *,

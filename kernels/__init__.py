@@ -9,6 +9,8 @@ from tierattn.kernels.page_copy import copy_pages, copy_pages_reference
 from tierattn.kernels.decode import (
     DecodeOutput,
     decode_page_mass,
+    merge_page_mass,
+    merge_page_mass_reference,
     sparse_decode,
     sparse_decode_reference,
 )
@@ -32,6 +34,8 @@ __all__ = [
     "copy_pages",
     "copy_pages_reference",
     "decode_page_mass",
+    "merge_page_mass",
+    "merge_page_mass_reference",
     "merge_state",
     "merge_states",
     "merge_states_reference",

@@ -41,6 +41,8 @@ __all__ = [
     "DecodeOutput",
     "auto_num_splits",
     "decode_page_mass",
+    "merge_page_mass",
+    "merge_page_mass_reference",
     "sparse_decode",
     "sparse_decode_reference",
 ]
@@ -553,3 +555,151 @@ def decode_page_mass(
             HEAD_ROWS=head_rows, BLOCK_E=64, BLOCK_G=next_pow2(group),
         )
     return mass
+
+
+@triton.jit
+def _merge_mass_kernel(
+    o_ptr, lse_ptr, page_lse_ptr, mass_ptr, out_ptr, out_lse_ptr,
+    num_parts, num_heads, head_dim, pages_per_row,
+    stride_on, stride_ob, stride_oh, stride_ln, stride_lb, stride_pl, stride_outb,
+    stride_outh, stride_olb,
+    RESET: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    # one program per (sequence, block of pages); each recomputes the merged LSE of all heads
+    i_b = tl.program_id(0).to(tl.int64)
+    i_p = tl.program_id(1).to(tl.int64)
+    o_h = tl.arange(0, BLOCK_H)
+    m_h = o_h < num_heads
+    b_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for n in range(num_parts):
+        b_l = tl.load(lse_ptr + n * stride_ln + i_b * stride_lb + o_h, mask=m_h,
+                      other=float("-inf"))
+        b_max = tl.maximum(b_max, b_l)
+    m_pinf = b_max == float("inf")
+    m_ninf = b_max == float("-inf")
+    b_ref = tl.where(m_pinf | m_ninf, 0.0, b_max)
+    b_sum = tl.zeros([BLOCK_H], tl.float32)
+    for n in range(num_parts):
+        b_l = tl.load(lse_ptr + n * stride_ln + i_b * stride_lb + o_h, mask=m_h,
+                      other=float("-inf"))
+        b_w = tl.where(m_pinf, tl.where(b_l == float("inf"), 1.0, 0.0), tl.exp(b_l - b_ref))
+        b_sum += b_w
+    b_den = tl.where(b_sum > 0, b_sum, 1.0)
+    b_lse = tl.where(m_pinf | m_ninf, b_max, b_ref + tl.log(b_den))  # [BH] merged LSE
+    if i_p == 0:  # the first page block also writes the merged state
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < head_dim
+        b_acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for n in range(num_parts):
+            b_l = tl.load(lse_ptr + n * stride_ln + i_b * stride_lb + o_h, mask=m_h,
+                          other=float("-inf"))
+            b_w = tl.where(m_pinf, tl.where(b_l == float("inf"), 1.0, 0.0),
+                           tl.exp(b_l - b_ref))
+            p_o = o_ptr + n * stride_on + i_b * stride_ob + o_h[:, None] * stride_oh + \
+                o_d[None, :]
+            b_o = tl.load(p_o, mask=m_h[:, None] & m_d[None, :] & (b_w[:, None] > 0),
+                          other=0.0)
+            b_acc += b_o.to(tl.float32) * b_w[:, None]
+        p_out = out_ptr + i_b * stride_outb + o_h[:, None] * stride_outh + o_d[None, :]
+        tl.store(p_out, b_acc / b_den[:, None], mask=m_h[:, None] & m_d[None, :])
+        tl.store(out_lse_ptr + i_b * stride_olb + o_h, b_lse, mask=m_h)
+    # page mass under the merged LSE (an empty row normalises by +inf: mass 0)
+    b_norm = tl.where(b_lse == float("-inf"), float("inf"), b_lse)
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    m_p = o_p < pages_per_row
+    o_row = i_b * pages_per_row + o_p  # [BP] rows of page_lse and mass
+    p_pl = page_lse_ptr + o_row[:, None] * stride_pl + o_h[None, :]
+    m_pl = m_p[:, None] & m_h[None, :]
+    b_pl = tl.load(p_pl, mask=m_pl, other=float("-inf"))
+    b_mass = tl.sum(tl.exp(b_pl - b_norm[None, :]), axis=1)  # [BP]
+    b_old = tl.load(mass_ptr + o_row, mask=m_p, other=0.0)
+    tl.store(mass_ptr + o_row, b_old + b_mass, mask=m_p)
+    if RESET:  # ready for the next step's scatter
+        tl.store(p_pl, tl.full([BLOCK_P, BLOCK_H], float("-inf"), tl.float32), mask=m_pl)
+
+
+def merge_page_mass_reference(
+    o: torch.Tensor, lse: torch.Tensor, page_lse: torch.Tensor, pages_per_row: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch :func:`merge_page_mass`: :func:`~.merge.merge_states_reference` of the parts,
+    then ``mass[b * P + p] = sum_h exp(page_lse[b * P + p, h] - lse[b, h])`` (``P`` pages per
+    sequence; an empty row's mass is 0). Returns ``(out, lse, mass [B * P])`` in fp32."""
+    from .merge import merge_states_reference
+
+    out, out_lse = merge_states_reference(o, lse)
+    batch, hq = out_lse.shape
+    norm = torch.where(torch.isneginf(out_lse), float("inf"), out_lse).float()
+    pl = page_lse[:batch * pages_per_row].float().view(batch, pages_per_row, hq)
+    mass = torch.exp(pl - norm[:, None, :]).sum(-1).reshape(-1)
+    return out.float(), out_lse.float(), mass
+
+
+def merge_page_mass(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    page_lse: torch.Tensor,
+    mass: torch.Tensor,
+    *,
+    pages_per_row: int,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+    reset: bool = True,
+    backend: Backend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode step's epilogue in one launch: merge ``N`` partial states by LSE and add each
+    page's attention mass under the merged LSE into ``mass``.
+
+    The decode kernels scatter every attended page's LSE into ``page_lse`` by logical page
+    (``sparse_decode(page_lse=, page_lse_index=)``: row ``b * P + p``); pages not attended
+    hold ``-inf`` and get no mass. With ``reset`` the rows read are set back to ``-inf``.
+
+    Args:
+        o: ``[N, B, H_q, D]`` fp32 partial outputs (N >= 1; N = 1 copies the state through).
+        lse: ``[N, B, H_q]`` fp32 their LSEs.
+        page_lse: ``[>= B * P, H_q]`` fp32 per-page LSEs (unit column stride).
+        mass: ``[>= B * P]`` fp32 accumulated importance; ``mass[b * P + p]`` gains
+            ``sum_h exp(page_lse[b * P + p, h] - lse_merged[b, h])``.
+        pages_per_row: ``P``, pages per sequence in ``page_lse`` and ``mass``.
+        out, out_lse: optional ``[B, H_q, D]``, ``[B, H_q]`` fp32 buffers for the merged state.
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"``.
+
+    Returns:
+        ``(out [B, H_q, D], lse [B, H_q])`` fp32, the merged state.
+    """
+    check_tensor("o", o, ndim=4, dtypes=(torch.float32,))
+    n, batch, hq, d = o.shape
+    check_tensor("lse", lse, shape=(n, batch, hq), dtypes=(torch.float32,), device=o.device)
+    if n < 1:
+        raise KernelInputError("merge_page_mass needs at least one partial state (N >= 1).")
+    if not isinstance(pages_per_row, int) or pages_per_row < 0:
+        raise KernelInputError(f"pages_per_row must be an int >= 0, got {pages_per_row!r}.")
+    rows = batch * pages_per_row
+    check_tensor("page_lse", page_lse, ndim=2, dtypes=(torch.float32,), device=o.device)
+    if page_lse.shape[0] < rows or page_lse.shape[1] != hq or page_lse.stride(-1) != 1:
+        raise KernelInputError(f"page_lse must be [>= B*P={rows}, H_q={hq}] with unit column "
+                               f"stride; got {list(page_lse.shape)}.")
+    check_tensor("mass", mass, ndim=1, dtypes=(torch.float32,), device=o.device)
+    if mass.shape[0] < rows or mass.stride(0) != 1:
+        raise KernelInputError(f"mass must be a contiguous [>= B*P={rows}] fp32 vector; got "
+                               f"{list(mass.shape)}.")
+    out = check_out("out", out, (batch, hq, d), torch.float32, o.device)
+    out_lse = check_out("out_lse", out_lse, (batch, hq), torch.float32, o.device)
+    if resolve_backend(backend, o) == "torch":
+        ref_o, ref_lse, ref_mass = merge_page_mass_reference(o, lse, page_lse, pages_per_row)
+        out.copy_(ref_o)
+        out_lse.copy_(ref_lse)
+        mass[:rows] += ref_mass
+        if reset:
+            page_lse[:rows] = float("-inf")
+        return out, out_lse
+    o = o if o.stride(-1) == 1 else o.contiguous()
+    if batch > 0 and hq > 0:
+        block_p = max(1, min(64, 4096 // next_pow2(hq)))
+        _merge_mass_kernel[(batch, max(1, triton.cdiv(pages_per_row, block_p)))](
+            o, lse, page_lse, mass, out, out_lse,
+            n, hq, d, pages_per_row,
+            o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+            page_lse.stride(0), out.stride(0), out.stride(1), out_lse.stride(0),
+            RESET=reset, BLOCK_H=next_pow2(hq), BLOCK_D=next_pow2(d), BLOCK_P=block_p,
+        )
+    return out, out_lse

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from .decode import decode_page_mass, sparse_decode
+from .decode import decode_page_mass, merge_page_mass, sparse_decode
 from .merge import merge_states
 from .metadata import page_metadata
 from .page_copy import copy_pages
@@ -27,6 +27,7 @@ class KernelSet:
 
     sparse_decode: Callable = sparse_decode
     decode_page_mass: Callable = decode_page_mass
+    merge_page_mass: Callable = merge_page_mass
     merge_states: Callable = merge_states
     page_metadata: Callable = page_metadata
     paged_prefill: Callable = paged_prefill

@@ -122,8 +122,11 @@ class Walk:
         tabs = cache.pages.tables(layer, cache.tiers)
         mp = cache.max_pages
         for table, pool in cache.prefetcher.stage(layer, tabs, self.rng.randrange(2)):
-            # staging slot i holds the batch's entry i: page lse_index[i] of the map
-            for i, row in enumerate(table.lse_index[:table.total].tolist()):
+            # staging slot i holds the batch's entry i: page lse_index[i] of the map (unused
+            # entries name the trash row B * max_pages)
+            for i, row in enumerate(table.lse_index.tolist()):
+                if row == B * mp:
+                    continue
                 b, pg = divmod(row, mp)
                 got = pool[i].permute(1, 0, 2, 3)
                 want = self.kv[layer][b][pg * P:(pg + 1) * P]

@@ -49,9 +49,10 @@ def test_kernel_timer_counts_calls_and_restores_originals():
     assert out.shape == (1, 4, 1, 8) and torch.isfinite(out).all()
     assert _originals(cache) == before
     assert "attend" not in vars(cache) and "update" not in vars(cache)
-    # everything hot: per layer one decode over the hot set and one page-mass launch; nothing
-    # cold, so no copy and no merge; no page filled (41 tokens, pages of 4), so no metadata
-    assert kt.calls == {"sparse_decode": 2, "decode_page_mass": 2}
+    # everything hot: per layer one decode over the hot set and one launch that merges (one
+    # state) and adds the page mass; nothing cold, so no copy; no page filled (41 tokens,
+    # pages of 4), so no metadata
+    assert kt.calls == {"sparse_decode": 2, "merge_page_mass": 2}
     assert len(kt.attend) == len(kt.update) == 2
     s = kt.summary()
     assert s["attend_calls"] == 2
@@ -71,8 +72,9 @@ def test_kernel_timer_counts_copies_and_restores_after_an_error():
             cache.attend(layer, torch.randn(1, 4, 1, 8))
         raise RuntimeError("boom")
     assert _originals(cache) == before and "attend" not in vars(cache)
-    # half cold: the hot set and the fetched pages are attended apart and merged
-    assert kt.calls["sparse_decode"] == 4 and kt.calls["merge_states"] == 2
+    # half cold: the hot set and the fetched pages are attended apart, then merged with their
+    # page mass in one launch
+    assert kt.calls["sparse_decode"] == 4 and kt.calls["merge_page_mass"] == 2
     # every page-copy launch of the engine (fetches and demotions) went through the wrapper
     assert kt.calls["copy_pages"] == cache.engine.launches - launches >= 1
 

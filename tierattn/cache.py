@@ -197,21 +197,24 @@ class TieredKVCache:
                 f"sequence length {n1} exceeds max_context={self.config.max_context} of the "
                 "config; raise max_context.")
         first_new, end = math.ceil(n0 / p), math.ceil(n1 / p)
-        alive = pm.alive.nonzero().flatten().tolist()
         new = end - first_new
         if new:  # take the new pages' HBM slots (demoting first if HBM is full)
+            alive = pm.alive.nonzero().flatten().tolist()
             if self.hbm.num_free(layer) < new * len(alive):
                 self.budgets.make_room(layer, new * len(alive))
             slots = self.hbm.alloc(layer, new * len(alive))  # raises before any change
-            rows_new = torch.tensor(alive, dtype=torch.long)[:, None]
-            st.slot[rows_new, torch.arange(first_new, end)] = torch.tensor(
-                slots, dtype=torch.int32).view(len(alive), new)
-            st.tier[rows_new, torch.arange(first_new, end)] = HOT
-            st.edited(cold=False)
+            if t == 1:  # a decode token starts a page: the device tables are patched
+                pm.add_pages(layer, alive, first_new, slots)
+            else:
+                rows_new = torch.tensor(alive, dtype=torch.long)[:, None]
+                st.slot[rows_new, torch.arange(first_new, end)] = torch.tensor(
+                    slots, dtype=torch.int32).view(len(alive), new)
+                st.tier[rows_new, torch.arange(first_new, end)] = HOT
+                st.edited(cold=False)
         if t == 1:
             self._write_token(layer, k, v)
         else:
-            self._write_chunk(layer, k, v, alive, n0, n1)
+            self._write_chunk(layer, k, v, pm.alive.nonzero().flatten().tolist(), n0, n1)
         st.length = n1
         self.telemetry.layers[layer].host_time_s += time.perf_counter() - t0
 
@@ -219,10 +222,13 @@ class TieredKVCache:
         """A decode token: every live sequence's K and V into its current page, by write
         positions kept on the device and advanced in place (no host read, no table change)."""
         tabs = self._tables(layer)
-        kv = torch.stack((k[:, :, 0], v[:, :, 0]), 1).to(self.device, self.dtype)  # [B, 2, H, D]
+        kv = torch.stack((k, v), 1)  # [B, 2, H_kv, 1, D]
+        if kv.dtype != self.dtype or kv.device != self.device:
+            kv = kv.to(self.device, self.dtype)
         if tabs.alive_rows is not None:
             kv = kv.index_select(0, tabs.alive_rows)
-        self._rows[layer].index_copy_(0, tabs.write_pos, kv.view(-1, *kv.shape[2:]))
+        self._rows[layer].index_copy_(0, tabs.write_pos,
+                                      kv.view(-1, self.num_kv_heads, self.head_dim))
         tabs.write_pos.add_(1)
         tabs.hot.table.last_page_len.add_(1)
         if (self.pages.layers[layer].length + 1) % self.page_size == 0:
@@ -308,7 +314,8 @@ class TieredKVCache:
                 f"layer {layer}: a sliding-window prefill found demoted pages; pass "
                 "sliding_window on every attend call of this layer.")
         buffer = self.prefetcher.next_buffer(layer)
-        qd = q.to(self.device, self.dtype)
+        qd = q if q.dtype == self.dtype and q.device == self.device else \
+            q.to(self.device, self.dtype)
         scale = sm_scale if sm_scale is not None else d ** -0.5
         run = self._decode if decode else self._prefill
         out, lse = run(layer, qd, tabs, buffer, dict(sm_scale=scale, softcap=softcap,
@@ -326,11 +333,13 @@ class TieredKVCache:
                 common: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """One query token per sequence: the hot set, then each staged batch of cold pages,
         each kernel writing its partial state into a preallocated buffer and its pages' LSE
-        into the per-page buffer; one merge; the page mass in one kernel."""
+        into the per-page buffer; then one kernel merges them and adds the page mass."""
         ks, tel, q1 = self.kernels, self.telemetry.layers[layer], qd[:, :, 0]
         want_mass = self.budgets.wants_mass()
         page_lse = self.importance.decode_buffer(q1.shape[1]) if want_mass else None
-        parts_o, parts_lse, merged = self._decode_buffers(q1.shape[1], len(tabs.cold) + 1)
+        exact = self.policies.recall.exact
+        batches = len(self.pages.cold_batches(layer, self.tiers)) if exact else 1
+        parts_o, parts_lse, merged = self._decode_buffers(q1.shape[1], batches + 1)
         n = 0
 
         def run(pool, table, first=None):
@@ -343,7 +352,7 @@ class TieredKVCache:
 
         run(self.hbm.pool(layer), tabs.hot, self._window_lanes(layer, tabs))
         recall = self.policies.recall
-        if recall.exact:
+        if exact:
             cold = self.prefetcher.attend_cold(layer, tabs, buffer, run)
         else:
             k = recall.budget(layer) if tabs.cold_pages else 0
@@ -353,15 +362,13 @@ class TieredKVCache:
         for _ in cold:
             pass
         tel.kernel_launches += n
+        if want_mass:  # merge and page mass in one launch
+            return self.importance.merge_decode(layer, parts_o[:n], parts_lse[:n], *merged)
         if n == 1:
-            out, lse = parts_o[0], parts_lse[0]
-        else:
-            out, lse = ks.merge_states(parts_o[:n], parts_lse[:n], out=merged[0],
-                                       out_lse=merged[1], backend=self.backend)
-            tel.kernel_launches += 1
-        if want_mass:
-            self.importance.add_decode(layer, lse)
-        return out, lse
+            return parts_o[0], parts_lse[0]
+        tel.kernel_launches += 1
+        return ks.merge_states(parts_o[:n], parts_lse[:n], out=merged[0], out_lse=merged[1],
+                               backend=self.backend)
 
     def _decode_buffers(self, num_q_heads: int, parts: int) -> tuple:
         """``[parts, B, H_q, D]`` outputs, ``[parts, B, H_q]`` LSEs and the merged pair, kept

@@ -3,11 +3,11 @@
 Per layer, ``mass`` accumulates each page's attention mass on the device (flat
 ``[B * max_pages + 1]``: page ``pg`` of sequence ``b`` at ``b * max_pages + pg``, the last entry a
 trash row for unused table entries). A decode step scatters every attended page's LSE into one
-per-page buffer (``page_lse``, written by the attention kernels themselves) and forms the mass
-once, under the merged LSE, with one kernel; nothing is read back. ``snap`` holds SnapKV's
-observation-window mass of the last prefill chunk. The Quest metadata of *every* page
-(element-wise ``kmin``/``kmax`` of its keys, per KV head) stays on the device, so cold pages can
-be scored without moving them.
+per-page buffer (``page_lse``, written by the attention kernels themselves); one kernel merges
+the step's partial states and adds the mass under the merged LSE; nothing is read back.
+``snap`` holds SnapKV's observation-window mass of the last prefill chunk. The Quest metadata of
+*every* page (element-wise ``kmin``/``kmax`` of its keys, per KV head) stays on the device, so
+cold pages can be scored without moving them.
 
 Policies rank pages on the host from a **snapshot**: when a structural decision is due at the
 next step (a page filled, an eviction target grows), :meth:`Importance.snapshot` copies what the
@@ -71,6 +71,7 @@ class Importance:
         self.snap = torch.zeros_like(self.mass) if window_mass else None
         self.last_q: list[torch.Tensor | None] = [None] * n  # [B, H_q, D] latest decode query
         self.page_lse: torch.Tensor | None = None  # [B * max_pages + 1, H_q], built on first use
+        self._pending = False  # page_lse holds a step's scatter not merged yet
         # one row per sequence over its max_pages rows of page_lse (for the mass kernel), and
         # over its metadata rows (Quest bound of every page)
         start = torch.arange(b, dtype=torch.int32, device=dev) * mp
@@ -101,22 +102,28 @@ class Importance:
     # --- attention mass ------------------------------------------------------------------------
 
     def decode_buffer(self, num_q_heads: int) -> torch.Tensor:
-        """The per-page LSE buffer of one decode step, reset to -inf (pages not attended this
-        step get no mass)."""
+        """The per-page LSE buffer of one decode step (every row -inf: the merge that consumes
+        it resets the rows it read, so no step pays for a fill)."""
         rows = self.pages.batch_size * self.pages.max_pages + 1
         if self.page_lse is None or self.page_lse.shape[1] != num_q_heads:
-            self.page_lse = torch.empty(rows, num_q_heads, dtype=torch.float32,
-                                        device=self.pages.device)
-        return self.page_lse.fill_(float("-inf"))
+            self.page_lse = torch.full((rows, num_q_heads), float("-inf"), dtype=torch.float32,
+                                       device=self.pages.device)
+        elif self._pending:  # a step stopped between its kernels and the merge
+            self.page_lse.fill_(float("-inf"))
+        self._pending = True
+        return self.page_lse
 
-    def add_decode(self, layer: int, lse: torch.Tensor) -> None:
-        """Add the mass of every page whose LSE the step's kernels scattered into
-        :meth:`decode_buffer`, under the merged ``lse [B, H_q]``: one kernel, on the device."""
-        n = self.per_page.indices.numel()
-        m = self.kernels.decode_page_mass(self.page_lse[:n], lse, self.per_page,
-                                          self.num_kv_heads, backend=self.backend)
-        self.mass[layer, :n].add_(m.sum(-1))
+    def merge_decode(self, layer: int, o: torch.Tensor, lse: torch.Tensor, out: torch.Tensor,
+                     out_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merge a decode step's partial states ``o [N, B, H_q, D]``, ``lse [N, B, H_q]`` and
+        add every page's mass under the merged LSE to ``layer``'s importance: one kernel, on
+        the device (:func:`~tierattn.kernels.merge_page_mass`)."""
+        res = self.kernels.merge_page_mass(o, lse, self.page_lse, self.mass[layer],
+                                           pages_per_row=self.pages.max_pages, out=out,
+                                           out_lse=out_lse, backend=self.backend)
+        self._pending = False
         self.telemetry.layers[layer].kernel_launches += 1
+        return res
 
     def add_entries(self, layer: int, table: DeviceTable, values: torch.Tensor,
                     into: torch.Tensor | None = None) -> None:

@@ -123,34 +123,30 @@ class Mover:
 
     def copy_recalled(self, layer: int, src: torch.Tensor, cols: torch.Tensor,
                       dst_pool: torch.Tensor, dst_slots: torch.Tensor, *, after: object = None,
-                      wait: bool = True) -> list:
-        """Copy recalled pages ``src [B, k]`` (``tier * 2**32 + slot``, -1: skip) of logical
-        pages ``cols [B, k]`` into staging rows ``dst_slots [B, k]``: one launch per lower
-        memory tier holding pages of the layer, the pages counted per tier on the device. Pages
-        on a disk tier are read on the host (the one path that reads the selection back)."""
-        tier_of = src >> 32
-        slot_of = (src & 0xFFFFFFFF).to(torch.int32).view(-1)
-        dst = dst_slots.reshape(-1).to(torch.int32)
-        self.telemetry.count_recalled(layer, torch.where(src >= 0, tier_of, len(self.tiers)))
-        tickets = []
+                      wait: bool = True, pages: int | None = None) -> list:
+        """Copy recalled pages into staging rows ``dst_slots [B * k]`` (int32): ``src
+        [tiers - 1, B, k]`` holds each page's slot in lower tier ``t + 1`` (-1: not there, or
+        not to copy), ``cols [B, k]`` their logical pages. One launch per lower memory tier
+        holding pages of the layer. ``pages``: how many are copied, when the host knows it
+        and one tier holds them all; otherwise they are counted on the device. Pages on a
+        disk tier are read on the host (the one path that reads the selection back)."""
         held = [t for t in range(1, len(self.tiers)) if self.tiers[t].num_used(layer)]
+        host_count = pages is not None and len(held) == 1
+        tickets = []
         for t in held:
-            mine = (tier_of == t).view(-1)
+            mine = src[t - 1].view(-1)
+            if not host_count:
+                self.telemetry.count_recalled(layer, t, mine)
             if self.tiers[t].is_memory:
-                ids = slot_of if len(held) == 1 else torch.where(mine, slot_of, -1)
-                ticket = self.engine.copy(self.tiers[t].pool(layer), ids, dst_pool, dst,
-                                          after=after)
-                if wait:
-                    self.engine.wait(ticket)
-                    ticket = None
-                tickets.append(ticket)
-                self._count(layer, t, None, 0)
+                tickets.append(self.copy_slots(layer, t, mine, dst_pool, dst_slots,
+                                               pages=pages if host_count else 0, after=after,
+                                               wait=wait))
             else:
-                picked = mine.nonzero().flatten()
+                picked = (mine >= 0).nonzero().flatten()
                 if len(picked):
-                    self.read_into(layer, t, slot_of[picked].tolist(),
+                    self.read_into(layer, t, mine[picked].tolist(),
                                    (cols.view(-1)[picked] * self.page_size).tolist(), dst_pool,
-                                   dst[picked].tolist())
+                                   dst_slots[picked].tolist())
         return tickets
 
     def count_hits(self, layer: int, hit: torch.Tensor) -> None:
@@ -204,9 +200,7 @@ class Mover:
                       torch.tensor(slots, dtype=torch.long))
             self.telemetry.layers[layer].demoted_pages += len(items)
             self.tiers[HOT].release(layer, src.tolist())
-            st.tier[rows, cols] = ti
-            st.slot[rows, cols] = torch.tensor(slots, dtype=torch.int32)
-            st.edited()
+            self.pages.demote(layer, rows, cols, ti, slots, self.tiers)
 
     def move(self, layer: int, sequence: int, page: int, tier: int) -> None:
         """Move one live page to ``tier`` (spill to disk, reload, demote by hand)."""

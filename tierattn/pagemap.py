@@ -87,6 +87,9 @@ class ColdBatch:
     #: per disk tier: (tier index, source slots, first tokens, staging slots), host lists
     reads: list[tuple[int, list[int], list[int], list[int]]]
     pages_by_tier: dict[int, int]  # pages copied from each source tier (telemetry)
+    #: row-blocked layout (row b's entries at b * max_pages, a copy list for every lower
+    #: memory tier): a demotion appends in place (:meth:`PageMap.demote`); else None
+    blocked: bool = False
 
 
 @dataclass
@@ -96,7 +99,7 @@ class LayerTables:
     version: int
     cold_version: int
     hot: DeviceTable
-    cold: list[ColdBatch]
+    cold: list[ColdBatch] | None  # None: stale after a patch, rebuilt on use (cold_batches)
     #: [B_alive * 2] flat row (``slot * 2P + kv * P + lane``) in the HBM pool viewed as
     #: ``[slots * 2 * P, H_kv, D]`` where the next token's K and V go (advanced per token)
     write_pos: torch.Tensor
@@ -113,7 +116,9 @@ class LayerTables:
     #: recall candidates (``attend="topk"``): every attendable cold page, compacted per row
     candidates: DeviceTable | None = None
     cand_cols: torch.Tensor | None = None  # long [B, max_pages] page of candidate i (pad -1)
-    cand_src: torch.Tensor | None = None  # long [B, max_pages] tier * 2**32 + slot (pad -1)
+    cand_lse: torch.Tensor | None = None  # int32 [B, max_pages] b * max_pages + page (trash)
+    #: int32 [tiers - 1, B, max_pages]: candidate i's slot in lower tier t + 1, else -1
+    cand_slots: torch.Tensor | None = None
     cand_first: torch.Tensor | None = None  # int32 [B, max_pages] first lane (padding)
 
 
@@ -228,18 +233,49 @@ class PageMap:
         tabs = self._tables[layer]
         return tabs if tabs is not None and tabs.version == self.layers[layer].version else None
 
+    def add_pages(self, layer: int, rows: list[int], page: int, slots: list[int]) -> None:
+        """Sequences ``rows`` start logical ``page`` in HBM slots ``slots`` (a decode token
+        crossed a page boundary). The host map is edited; current device tables are patched in
+        place -- one entry appended to each hot row, the write position moved to the new page --
+        in one indexed write per dtype instead of a rebuild."""
+        st, tabs = self.layers[layer], self._tables[layer]
+        current = tabs is not None and tabs.version == st.version and \
+            st.length == page * self.page_size
+        st.tier[rows, page] = HOT
+        st.slot[rows, page] = torch.tensor(slots, dtype=torch.int32)
+        st.edited(cold=False)
+        if not current:
+            return
+        mp, p, hot = self.max_pages, self.page_size, tabs.hot
+        s32, s64 = tabs.hot_storage
+        at = lambda view, i: view.storage_offset() - s32.storage_offset() + i
+        pos32, val32, pos64, val64 = [], [], [], []
+        for i, (b, slot) in enumerate(zip(rows, slots)):
+            e = b * mp + hot.counts[b]
+            pos32 += [at(hot.table.indices, e), at(hot.lse_index, e),
+                      at(hot.table.row_count, b), at(hot.table.last_page_len, b),
+                      at(tabs.current_slots, i), at(tabs.current_rows, i)]
+            val32 += [slot, b * mp + page, hot.counts[b] + 1, 0, slot, b * mp + page]
+            if hot.first_lane is not None:
+                pos32.append(at(hot.first_lane, e))
+                val32.append(max(0, min(p, int(self.pad[b]) - page * p)))
+            base = tabs.write_pos.storage_offset() - s64.storage_offset() + 2 * i
+            pos64 += [base, base + 1]
+            val64 += [slot * 2 * p, slot * 2 * p + p]
+            hot.counts[b] += 1
+        _scatter(s32, pos32, val32)
+        _scatter(s64, pos64, val64)
+        tabs.by_tier[HOT] = tabs.by_tier.get(HOT, 0) + len(rows)
+        tabs.version = st.version
+
     def _build(self, layer: int, tiers: list, old: LayerTables | None) -> LayerTables:
         """Everything the decode step reads, built on the host in whole-tensor ops and copied
         into the previous tables' storage (captured graphs keep reading the right memory); the
         cold batches are rebuilt only when the cold pages changed."""
         st, p = self.layers[layer], self.page_size
-        b, mp, n = self.batch_size, self.max_pages, self.num_pages(layer)
-        if st.length % p == 0 and n < mp and bool((st.tier[:, n] != NONE).any()):
-            n += 1  # the page the next token starts is allocated: it holds 0 tokens so far
+        b, mp = self.batch_size, self.max_pages
+        n, live, attend, cold = self._masks(layer)
         trash = b * mp
-        live = (st.tier != NONE) & (self.page_idx[None, :] < n)
-        attend = live & self.attendable(mp)
-        cold = attend & (st.tier > HOT)
         padded = bool((self.pad > 0).any())
         rows = self.seq_idx[:, None].expand(b, mp)
         arrays = _Arrays()
@@ -261,17 +297,19 @@ class PageMap:
         cand = None
         if self.recall_pages:  # every attendable cold page, compacted per row
             order, counts, valid = self._compact(cold)
-            src = (st.tier.long() << 32) + st.slot.long()
+            lse = torch.where(valid, rows * mp + order, trash)
+            tier, slot = st.tier.gather(1, order), st.slot.gather(1, order)
             cand = dict(
                 table=arrays.table(torch.where(valid, rows * mp + order, -1), self.seq_idx * mp,
-                                   counts, torch.where(counts > 0, 1, 0),
-                                   torch.where(valid, rows * mp + order, trash), None),
+                                   counts, torch.where(counts > 0, 1, 0), lse, None),
                 cols=arrays.put(torch.where(valid, order, -1), torch.int64),
-                src=arrays.put(torch.where(valid, src.gather(1, order), -1), torch.int64),
+                lse=arrays.put(lse, torch.int32),
+                slots=arrays.put(torch.stack([torch.where(valid & (tier == t), slot, -1)
+                                              for t in range(1, len(tiers))]), torch.int32),
                 first=arrays.put(self._first_lane(rows, order), torch.int32) if padded else None)
         dev = arrays.upload(self.device, old.hot_storage if old is not None else None)
         if old is not None and old.cold_version == st.cold_version and \
-                old.padded == padded:
+                old.padded == padded and old.cold is not None:
             cold_batches, cold_storage = old.cold, old.cold_storage
         else:
             cold_batches, cold_storage = self._cold_batches(
@@ -287,10 +325,30 @@ class PageMap:
         if cand is not None:
             res.candidates = dev.table(cand["table"])
             res.cand_cols = dev[cand["cols"]].view(b, mp)
-            res.cand_src = dev[cand["src"]].view(b, mp)
+            res.cand_lse = dev[cand["lse"]].view(b, mp)
+            res.cand_slots = dev[cand["slots"]].view(len(tiers) - 1, b, mp)
             res.cand_first = dev[cand["first"]].view(b, mp) if cand["first"] is not None \
                 else None
         return res
+
+    def _masks(self, layer: int):
+        """``layer``'s pages as the tables see them: how many (``n``, counting a page allocated
+        for the next token), which hold KV, which are attendable, which of those are cold."""
+        st, p, mp = self.layers[layer], self.page_size, self.max_pages
+        n = self.num_pages(layer)
+        if st.length % p == 0 and n < mp and bool((st.tier[:, n] != NONE).any()):
+            n += 1  # the page the next token starts is allocated: it holds 0 tokens so far
+        live = (st.tier != NONE) & (self.page_idx[None, :] < n)
+        attend = live & self.attendable(mp)
+        return n, live, attend, attend & (st.tier > HOT)
+
+    def cold_batches(self, layer: int, tiers: list) -> list[ColdBatch]:
+        """``layer``'s cold batches (rebuilt here when a patch left them stale)."""
+        tabs = self.tables(layer, tiers)
+        if tabs.cold is None:
+            tabs.cold, tabs.cold_storage = self._cold_batches(
+                layer, tiers, self._masks(layer)[3], tabs.padded, tabs.cold_storage)
+        return tabs.cold
 
     def _compact(self, mask: torch.Tensor):
         """Per row, the set columns first (in logical order); their counts; which of the
@@ -305,42 +363,142 @@ class PageMap:
 
     def _cold_batches(self, layer: int, tiers: list, cold: torch.Tensor, padded: bool,
                       storage: tuple | None) -> tuple[list[ColdBatch], tuple]:
-        """The cold pages of live sequences, row by row, in batches of at most
-        ``staging_pages`` (staging slot ``i`` holds the batch's entry ``i``)."""
+        """The cold pages of live sequences staged for attention (staging slot ``i`` holds the
+        batch's entry ``i``). When a staging buffer holds ``B * max_pages`` pages, one batch in
+        which row ``b``'s pages start at ``b * max_pages``, with a copy list for every lower
+        memory tier (so a demotion is an append); otherwise row by row, in batches of at most
+        ``staging_pages``."""
         st, p = self.layers[layer], self.page_size
-        trash = self.batch_size * self.max_pages
+        b, mp = self.batch_size, self.max_pages
+        trash = b * mp
         nz = cold.nonzero()
         cap = self.staging_pages
+        blocked = cap >= b * mp
         arrays, specs = _Arrays(), []
-        for lo in range(0, len(nz), cap):
-            part = nz[lo:lo + cap]
+        for lo in range(0, max(1, len(nz)) if blocked else len(nz), cap):
+            part = nz if blocked else nz[lo:lo + cap]
             r, c = part[:, 0], part[:, 1]
-            per_row = torch.bincount(r, minlength=self.batch_size)
+            per_row = torch.bincount(r, minlength=b)
+            starts = self.seq_idx * mp if blocked else torch.cumsum(per_row, 0) - per_row
+            at = starts[r] + (torch.arange(len(r)) - (torch.cumsum(per_row, 0) - per_row)[r])
             ti, sl = st.tier[r, c].long(), st.slot[r, c]
             copies, reads, by_tier = [], [], {}
-            for t in torch.unique(ti).tolist():
+            kinds = range(1, len(tiers)) if blocked else torch.unique(ti).tolist()
+            for t in kinds:
                 sel = ti == t
                 by_tier[t] = int(sel.sum())
-                at = sel.nonzero().flatten()
                 if tiers[t].is_memory:
                     src = torch.full((cap,), -1, dtype=torch.int32)
                     dst = torch.full((cap,), -1, dtype=torch.int32)
-                    src[:len(at)], dst[:len(at)] = sl[sel], at.to(torch.int32)
+                    src[:by_tier[t]], dst[:by_tier[t]] = sl[sel], at[sel].to(torch.int32)
                     copies.append((t, arrays.put(src, torch.int32), arrays.put(dst, torch.int32)))
-                else:
-                    reads.append((t, sl[sel].tolist(), (c[sel] * p).tolist(), at.tolist()))
+                elif by_tier[t]:
+                    reads.append((t, sl[sel].tolist(), (c[sel] * p).tolist(), at[sel].tolist()))
             lse = torch.full((cap,), trash, dtype=torch.long)
-            lse[:len(part)] = r * self.max_pages + c
+            lse[at] = r * mp + c
             first = torch.zeros(cap, dtype=torch.long)
-            first[:len(part)] = self._first_lane(r, c)
+            first[at] = self._first_lane(r, c)
             specs.append((arrays.table(
-                torch.arange(cap), torch.cumsum(per_row, 0) - per_row, per_row,
-                torch.where(per_row > 0, p, 0), lse, first if padded else None),
-                copies, reads, by_tier))
+                torch.arange(cap), starts, per_row, torch.where(per_row > 0, p, 0), lse,
+                first if padded else None), copies, reads, by_tier))
         dev = arrays.upload(self.device, storage)
         batches = [ColdBatch(dev.table(t), [(i, dev[s], dev[d]) for i, s, d in copies], reads,
-                             by_tier) for t, copies, reads, by_tier in specs]
+                             by_tier, blocked) for t, copies, reads, by_tier in specs]
         return batches, dev.storage
+
+    def demote(self, layer: int, rows: torch.Tensor, cols: torch.Tensor, tier: int,
+               slots: list[int], tiers: list) -> None:
+        """Hot pages ``(rows[i], cols[i])`` now live in lower ``tier`` at ``slots[i]``. The host
+        map is edited; current device tables in the row-blocked layout are patched in place --
+        each page appended to its row of the cold batch and to the tier's copy list, the hot
+        rows it left rewritten -- in one indexed write per dtype instead of a rebuild."""
+        st, tabs = self.layers[layer], self._tables[layer]
+        blocked = tabs is not None and tabs.cold is not None and len(tabs.cold) == 1 and \
+            tabs.cold[0].blocked
+        current = tabs is not None and tabs.version == st.version and \
+            tiers[tier].is_memory and (blocked or tabs.candidates is not None)
+        st.tier[rows, cols] = tier
+        st.slot[rows, cols] = torch.tensor(slots, dtype=torch.int32)
+        st.edited()
+        if not current:
+            return
+        mp, p, hot = self.max_pages, self.page_size, tabs.hot
+        h32 = tabs.hot_storage[0]
+        hot_at = lambda view, i: view.storage_offset() - h32.storage_offset() + i
+        hpos, hval, cpos, cval = [], [], [], []
+        if blocked:
+            batch = tabs.cold[0]
+            ctab, c32 = batch.table, tabs.cold_storage[0]
+            cold_at = lambda view, i: view.storage_offset() - c32.storage_offset() + i
+            src, dst = next((s, d) for t, s, d in batch.copies if t == tier)
+        else:  # the cold batches are rebuilt when used (prefill, rare for recall)
+            tabs.cold = None
+        for b, pg, slot in zip(rows.tolist(), cols.tolist(), slots) if blocked else ():
+            e = b * mp + ctab.counts[b]
+            j = batch.pages_by_tier[tier]
+            cpos += [cold_at(ctab.lse_index, e), cold_at(ctab.table.row_count, b),
+                     cold_at(ctab.table.last_page_len, b), cold_at(src, j), cold_at(dst, j)]
+            cval += [b * mp + pg, ctab.counts[b] + 1, p, slot, e]
+            if ctab.first_lane is not None:
+                cpos.append(cold_at(ctab.first_lane, e))
+                cval.append(max(0, min(p, int(self.pad[b]) - pg * p)))
+            ctab.counts[b] += 1
+            batch.pages_by_tier[tier] += 1
+        n = self.num_pages(layer)
+        if st.length % p == 0 and n < mp and bool((st.tier[:, n] != NONE).any()):
+            n += 1
+        h_pos, h_val = [torch.tensor(hpos, dtype=torch.long)], [torch.tensor(hval)]
+        trash = self.batch_size * mp
+        for b in sorted(set(rows.tolist())):  # the hot rows the pages left, rewritten whole
+            keep = ((st.tier[b, :n] == HOT) & (self.page_ends[:n] > self.pad[b])).nonzero()
+            keep, old = keep.flatten(), hot.counts[b]
+            span, gap = torch.arange(old), old - len(keep)
+            h_pos += [hot_at(hot.table.indices, b * mp) + span,
+                      hot_at(hot.lse_index, b * mp) + span]
+            h_val += [torch.cat([st.slot[b, keep].long(), torch.full((gap,), -1)]),
+                      torch.cat([b * mp + keep, torch.full((gap,), trash)])]
+            if hot.first_lane is not None:
+                h_pos.append(hot_at(hot.first_lane, b * mp) + span[:len(keep)])
+                h_val.append(self._first_lane(torch.full_like(keep, b), keep))
+            h_pos.append(torch.tensor([hot_at(hot.table.row_count, b)]))
+            h_val.append(torch.tensor([len(keep)]))
+            hot.counts[b] = len(keep)
+        if tabs.candidates is not None:  # recall: the pages join their rows' candidates
+            cand, h64 = tabs.candidates, tabs.hot_storage[1]
+            at64 = lambda view, i: view.storage_offset() - h64.storage_offset() + i
+            c64pos, c64val = [], []
+            for b, pg, slot in zip(rows.tolist(), cols.tolist(), slots):
+                e = b * mp + cand.counts[b]
+                h_pos.append(torch.tensor([
+                    hot_at(cand.table.indices, e), hot_at(cand.lse_index, e),
+                    hot_at(cand.table.row_count, b), hot_at(cand.table.last_page_len, b),
+                    hot_at(tabs.cand_lse, e)] + [hot_at(tabs.cand_slots[t - 1], e)
+                                                 for t in range(1, len(tiers))]))
+                h_val.append(torch.tensor([b * mp + pg, b * mp + pg, cand.counts[b] + 1, 1,
+                                           b * mp + pg] + [slot if t == tier else -1
+                                                           for t in range(1, len(tiers))]))
+                if tabs.cand_first is not None:
+                    h_pos.append(torch.tensor([hot_at(tabs.cand_first, e)]))
+                    h_val.append(torch.tensor([max(0, min(p, int(self.pad[b]) - pg * p))]))
+                c64pos.append(at64(tabs.cand_cols, e))
+                c64val.append(pg)
+                cand.counts[b] += 1
+            _scatter(h64, c64pos, c64val)
+        _scatter(h32, torch.cat(h_pos), torch.cat(h_val))
+        if blocked:
+            _scatter(tabs.cold_storage[0], cpos, cval)
+        tabs.cold_pages += len(slots)
+        tabs.by_tier[HOT] -= len(slots)
+        tabs.by_tier[tier] = tabs.by_tier.get(tier, 0) + len(slots)
+        tabs.version, tabs.cold_version = st.version, st.cold_version
+
+
+def _scatter(buf: torch.Tensor, pos, val) -> None:
+    """``buf[pos[i]] = val[i]`` on the device (lists or host tensors): one small upload, one
+    indexed write."""
+    if len(pos):
+        buf[torch.as_tensor(pos, dtype=torch.long).to(buf.device)] = \
+            torch.as_tensor(val).to(buf.device, buf.dtype)
 
 
 class _Arrays:

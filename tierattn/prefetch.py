@@ -49,13 +49,25 @@ def ring_slot(step: int, layer: int, num_layers: int, ring: int = RING) -> int:
 
 @dataclass
 class _Selection:
-    """A recall selection of one layer: ``[B, k]`` device tensors (padding entries -1)."""
+    """A recall selection of one layer, on the device (padding entries -1)."""
 
-    cols: torch.Tensor  # long: logical pages
-    src: torch.Tensor  # long: tier * 2**32 + slot
+    cols: torch.Tensor  # long [B, k]: logical pages
+    src: torch.Tensor  # int32 [tiers - 1, B, k]: slot in each lower tier, else -1
     k: int
     version: int  # cold_version of the layer's tables it was chosen from
     pages: int  # real entries (host)
+
+
+@dataclass
+class _RecallLayout:
+    """A selection of ``k`` pages per sequence staged in a buffer."""
+
+    table: DeviceTable
+    first: torch.Tensor  # int32 [B * k]: slot b * k + j (the prefetched half)
+    row_first: torch.Tensor  # int32 [B, 1]: b * k
+    second: torch.Tensor  # int32 [B, k]: B * k + b * k + j (the misses' half)
+    padding: int  # entries of rows with fewer than k candidates (they match each other)
+    iota: torch.Tensor  # int32 [k]: 0..k-1
 
 
 @dataclass
@@ -67,6 +79,7 @@ class _InFlight:
     version: int  # cold_version of the layer's tables the copies were built from
     pages: int
     selection: _Selection | None = None  # recall: the selection staged (first half of buffer)
+    batch: ColdBatch | None = None  # exact: the batch staged
 
 
 class Prefetcher:
@@ -92,10 +105,7 @@ class Prefetcher:
         self.in_flight: list[_InFlight | None] = [None] * num_layers
         self.selection: list[_Selection | None] = [None] * num_layers
         self.fence = None  # compute work a copy into a reused staging buffer must wait for
-        self._recall_tables: dict[tuple, DeviceTable] = {}
-        # staging slot numbers, and each sequence's first row of a per-page buffer
-        self._slots = torch.arange(staging_pages, dtype=torch.int32, device=device)
-        self._row_base = (torch.arange(pages.batch_size, device=device) * pages.max_pages)[:, None]
+        self._recall_layouts: dict[tuple, _RecallLayout] = {}
 
     def next_buffer(self, layer: int) -> int:
         """The buffer ``layer``'s attend call reads (advances the layer's ring position)."""
@@ -130,10 +140,12 @@ class Prefetcher:
             self._wait_all(pre.tickets)
             if pre.version == tabs.cold_version and pre.selection is None:
                 tel.prefetch_hits += pre.pages  # every cold page arrived ahead of the layer
-                yield tabs.cold[0].table, self.buffers[pre.buffer]
+                yield pre.batch.table, self.buffers[pre.buffer]
                 return
             tel.wasted_prefetches += pre.pages
-        for batch in tabs.cold:
+        for batch in self.pages.cold_batches(layer, self.mover.tiers):
+            if not batch.table.total:
+                continue
             # a reused buffer is refilled after the kernel that read its previous batch
             self._copy(layer, batch, buffer, after=self.fence, wait=True)
             if pre is not None:
@@ -147,65 +159,74 @@ class Prefetcher:
         """Stage the ``k`` candidates of each sequence with the highest ``scores [B, max_pages]``
         (aligned with ``tabs``' candidates; padding scores -inf) and yield their table. Pages the
         layer-ahead prefetch staged are used in place (hits); only the others are copied."""
-        b = self.pages.batch_size
         pre = self._take(layer, buffer)
         if pre is not None:
             self._wait_all(pre.tickets)
-        table = self._recall_table(tabs, k)
         tel = self.telemetry.layers[layer]
-        if not table.total:
+        rc = self._recall_layout(tabs, k)
+        if not rc.table.total:
             if pre is not None:
                 tel.wasted_prefetches += pre.pages
             return
+        b = self.pages.batch_size
         # sorted: a row with fewer than k candidates gets its real ones first (padding is -inf)
         idx = torch.topk(scores, k, dim=1).indices  # [B, k]
-        cols, src = tabs.cand_cols.gather(1, idx), tabs.cand_src.gather(1, idx)
-        if table.first_lane is not None:  # padding lanes of the picked pages
-            table.first_lane.copy_(tabs.cand_first.gather(1, idx).view(-1))
-        table.lse_index.copy_(
-            torch.where(cols >= 0, self._row_base[:b] + cols, b * self.pages.max_pages).view(-1))
+        torch.gather(tabs.cand_lse, 1, idx, out=rc.table.lse_index.view(b, k))
+        if rc.table.first_lane is not None:
+            torch.gather(tabs.cand_first, 1, idx, out=rc.table.first_lane.view(b, k))
+        src = full = tabs.cand_slots.gather(2, idx.expand(tabs.cand_slots.shape[0], b, k))
+        cols = tabs.cand_cols.gather(1, idx)
         sel = pre.selection if pre is not None and pre.selection is not None and \
             pre.selection.version == tabs.cold_version and pre.selection.k == k else None
-        slots = self._slots[:b * k].view(b, k)
         if sel is None:  # everything is fetched now, into the first half
-            pool, fetch = self.buffers[buffer], src
+            pool = self.buffers[buffer]
+            rc.table.table.indices.copy_(rc.first)
             if pre is not None:
                 tel.wasted_prefetches += pre.pages
-                tel.late_misses += table.total
+                tel.late_misses += rc.table.total
         else:  # the prefetched pages are used in place; the misses go to the second half
             pool = self.buffers[pre.buffer]
-            eq = (cols[:, :, None] == sel.cols[:, None, :]) & (cols >= 0)[:, :, None]
+            eq = cols[:, :, None] == sel.cols[:, None, :]  # [B, k, k]
             hit = eq.any(-1)
-            slots = torch.where(hit, eq.to(torch.int8).argmax(-1).to(torch.int32) +
-                                slots[:, :1], slots + b * k)
-            fetch = src.masked_fill(hit, -1)
+            torch.where(hit, (eq * rc.iota).sum(-1, dtype=torch.int32) + rc.row_first,
+                        rc.second, out=rc.table.table.indices.view(b, k))
+            src = src.masked_fill(hit, -1)
             self.mover.count_hits(layer, hit)
-            # counted as if nothing hit; stats() moves the device-counted hits across
-            tel.late_misses += table.total
-            tel.wasted_prefetches += sel.pages
-        table.table.indices.copy_(slots.view(-1))
-        self.mover.copy_recalled(layer, fetch, cols, pool, slots, after=self.fence)
-        self.selection[layer] = _Selection(cols, src, k, tabs.cold_version, table.total)
-        yield table, pool
+            # counted as if nothing hit; stats() moves the hits the device counted across (its
+            # count includes the padding entries, which match each other: taken off here)
+            tel.late_misses += rc.table.total + rc.padding
+            tel.wasted_prefetches += sel.pages + rc.padding
+            tel.prefetch_hits -= rc.padding
+        self.mover.copy_recalled(layer, src, cols, pool, rc.table.table.indices,
+                                 after=self.fence, pages=None if sel is not None else
+                                 rc.table.total)
+        self.selection[layer] = _Selection(cols, full, k, tabs.cold_version, rc.table.total)
+        yield rc.table, pool
 
-    def _recall_table(self, tabs: LayerTables, k: int) -> DeviceTable:
-        """The staged table of a ``k``-page selection: row ``b`` at ``b * k`` with
-        ``min(k, count_b)`` entries (the slots and page rows are written per step)."""
+    def _recall_layout(self, tabs: LayerTables, k: int) -> _RecallLayout:
+        """The staged table of a ``k``-page selection (row ``b`` at ``b * k`` with
+        ``min(k, count_b)`` entries; its page rows are written per step) and the staging slots
+        of the two halves: the prefetched selection, then what it missed."""
         b = self.pages.batch_size
         counts = [min(k, c) for c in tabs.candidates.counts]
         key = (k, tuple(counts), tabs.cand_first is not None)
-        table = self._recall_tables.get(key)
-        if table is None:
+        layout = self._recall_layouts.get(key)
+        if layout is None:
             i32 = dict(dtype=torch.int32, device=self.device)
-            table = DeviceTable(
-                PageTable(indices=torch.zeros(b * k, **i32), row_start=torch.arange(b, **i32) * k,
-                          row_count=torch.tensor(counts, **i32),
-                          last_page_len=torch.tensor(
-                              [self.pages.page_size if c else 0 for c in counts], **i32)),
-                torch.zeros(b * k, **i32),
-                torch.zeros(b * k, **i32) if tabs.cand_first is not None else None, counts)
-            self._recall_tables = {key: table}  # one selection size at a time
-        return table
+            first = torch.arange(b * k, **i32)
+            layout = _RecallLayout(
+                DeviceTable(PageTable(indices=first.clone(), row_start=torch.arange(b, **i32) * k,
+                                      row_count=torch.tensor(counts, **i32),
+                                      last_page_len=torch.tensor(
+                                          [self.pages.page_size if c else 0 for c in counts],
+                                          **i32)),
+                            torch.zeros(b * k, **i32),
+                            torch.zeros(b * k, **i32) if tabs.cand_first is not None else None,
+                            counts),
+                first, (torch.arange(b, **i32) * k)[:, None], (first + b * k).view(b, k),
+                sum(k - c for c in counts), torch.arange(k, **i32))
+            self._recall_layouts = {key: layout}  # one selection size at a time
+        return layout
 
     # --- the seam ------------------------------------------------------------------------------
 
@@ -231,22 +252,23 @@ class Prefetcher:
         no disk read is needed."""
         buffer = ring_slot(self.calls[layer], layer, self.num_layers)
         if not recall:
-            if len(tabs.cold) != 1 or tabs.cold[0].reads:
+            cold = self.pages.cold_batches(layer, self.mover.tiers)
+            if len(cold) != 1 or cold[0].reads or not cold[0].table.total:
                 return  # several batches (or disk reads): the layer streams them itself
-            batch = tabs.cold[0]
+            batch = cold[0]
             tickets = self._copy(layer, batch, buffer, after=self.engine.fence(), wait=False)
             self.in_flight[layer] = _InFlight(tickets, buffer, tabs.cold_version,
-                                              batch.table.total)
+                                              batch.table.total, batch=batch)
             return
         sel = self.selection[layer]
         b = self.pages.batch_size
         if sel is None or sel.version != tabs.cold_version or not sel.pages or \
                 self.mover.on_disk(layer) or 2 * b * sel.k > self.staging_pages:
             return
-        k = sel.k
-        slots = self._slots[:b * k].view(b, k)
-        tickets = self.mover.copy_recalled(layer, sel.src, sel.cols, self.buffers[buffer], slots,
-                                           after=self.engine.fence(), wait=False)
+        rc = self._recall_layout(tabs, sel.k)
+        tickets = self.mover.copy_recalled(layer, sel.src, sel.cols, self.buffers[buffer],
+                                           rc.first, after=self.engine.fence(), wait=False,
+                                           pages=sel.pages)
         self.in_flight[layer] = _InFlight(tickets, buffer, tabs.cold_version, sel.pages, sel)
 
     def cancel(self, layer: int) -> None:

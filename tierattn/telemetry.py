@@ -67,8 +67,8 @@ class Telemetry:
         self.layers = [LayerCounters() for _ in range(num_layers)]
         self.decoding = False  # the current attend is a decode step (counted apart)
         self.tier_kinds, self.page_bytes = tier_kinds, page_bytes
-        # [L, tiers + 1] recalled pages per source tier (last: padding), [L] prefetch hits
-        self.recalled = torch.zeros(num_layers, len(tier_kinds) + 1, dtype=torch.int64,
+        # [L, tiers] recalled pages per source tier, [L] prefetch hits
+        self.recalled = torch.zeros(num_layers, max(1, len(tier_kinds)), dtype=torch.int64,
                                     device=device)
         self.hits = torch.zeros(num_layers, dtype=torch.int64, device=device)
 
@@ -77,15 +77,13 @@ class Telemetry:
         self.recalled.zero_()
         self.hits.zero_()
 
-    def count_recalled(self, layer: int, tiers) -> None:
-        """Add recalled pages by source tier (``tiers``: tier index per page, padding = the
-        number of tiers), on the device."""
-        self.recalled[layer].scatter_add_(0, tiers.reshape(-1),
-                                          torch.ones_like(tiers.reshape(-1)))
+    def count_recalled(self, layer: int, tier: int, slots) -> None:
+        """Add the pages of ``slots`` (-1: none) recalled from ``tier``, on the device."""
+        self.recalled[layer, tier:tier + 1].add_((slots >= 0).sum())
 
     def count_hits(self, layer: int, hit) -> None:
         """Add recalled pages the prefetch had staged (``hit``: bool), on the device."""
-        self.hits[layer] += hit.sum()
+        self.hits[layer:layer + 1].add_(hit.sum())
 
     def _fold_device(self) -> list[LayerCounters]:
         """The host counters with the device-counted ones folded in (copies; one read)."""
@@ -93,7 +91,7 @@ class Telemetry:
         out = []
         for c, rec, h in zip(self.layers, recalled, hits):
             c = copy.deepcopy(c)
-            for ti, n in enumerate(rec[:-1]):
+            for ti, n in enumerate(rec):
                 if n:
                     c.h2d_bytes[self.tier_kinds[ti]] += n * self.page_bytes
                     c.h2d_decode_bytes += n * self.page_bytes

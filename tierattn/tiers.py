@@ -265,9 +265,8 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
                "disk": b * mp}
     capacities = [spec.capacity_pages if spec.capacity_pages is not None else
                   default[spec.kind] for spec in cfg.tiers]
-    cold_max = b * max(0, mp - must_hot)
-    if cfg.attend == "all":
-        staging_pages = max(1, min(staging_pages or cold_max, max(1, cold_max)))
+    if cfg.attend == "all":  # by default a row per sequence (demotions append in place)
+        staging_pages = max(1, min(staging_pages, b * mp)) if staging_pages else b * mp
     else:  # recall: the selection, and as much again for the pages a prefetch missed
         need = b * max(1, min(cfg.pages(cfg.recall_budget, mp, cfg.max_context),
                               mp - must_hot))
