@@ -43,8 +43,8 @@ from tierattn.config import TierConfig
 from tierattn.eval.hostcost import KernelTimer
 from tierattn.eval.report import format_table, new_results_dir, save_json, write_csv
 
-__all__ = ["BenchSpec", "Geometry", "fill_by_chunks", "load_profile", "model_row", "run_bench",
-           "whole_layer", "HARDWARE_DIR"]
+__all__ = ["BenchSpec", "Geometry", "fill_by_chunks", "host_summary", "load_profile",
+           "model_row", "run_bench", "run_host_bench", "whole_layer", "HARDWARE_DIR"]
 
 HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
 #: the runtime modes a bench row can run (see :attr:`BenchSpec.modes`)
@@ -443,6 +443,72 @@ def run_bench(spec: BenchSpec = BenchSpec(), *, out_root: str | Path | None = "r
         (out / "summary.md").write_text(markdown(result))
         result["plots"] = _plots(rows, profiles, out)
     return result
+
+
+#: the host-cost rows of ``tierattn bench --host`` and their targets (issue: runtime v2)
+HOST_CONTEXTS, HOST_BATCHES = (4096, 32768), (1, 8)
+HOST_TARGETS = {"dense": (60.0, 3), "offload": (60.0, 5), "topk": (100.0, None)}
+HOST_TABLE = [("variant", "variant", "s"), ("context", "context", "d"), ("batch", "batch", "d"),
+              ("host us/L/step", "host_us_per_layer_step", ".1f"),
+              ("median", "host_us_median", ".1f"),
+              ("launches/L/step", "launches_per_layer_step", ".2f"),
+              ("device reads/L/step", "device_reads_per_layer_step", ".2f"),
+              ("torch ops/L/step", "torch_ops_per_layer_step", ".1f"),
+              ("views/L/step", "views_per_layer_step", ".1f"),
+              ("async D2H/L/step", "to_host_copies_per_layer_step", ".3f")]
+
+
+def run_host_bench(*, contexts: tuple[int, ...] = HOST_CONTEXTS,
+                   batches: tuple[int, ...] = HOST_BATCHES, steps: int = 64,
+                   out_root: str | Path | None = "results", progress: bool = True) -> dict:
+    """``tierattn bench --host``: the runtime's own work per layer and decode step
+    (:func:`~tierattn.eval.hostcost.host_row`: kernels replaced by instant stubs; host reads
+    counted on the meta device) for every variant, context and batch; writes ``host.csv``
+    and ``host.json`` to a new results folder."""
+    from tierattn.eval.hostcost import HOST_VARIANTS, host_row
+
+    combos = [(v, c, b) for v in HOST_VARIANTS for c in contexts for b in batches]
+    rows = [host_row(v, c, b, steps=steps)
+            for v, c, b in tqdm(combos, desc="host rows", unit="row", disable=not progress)]
+    out = []
+    for r in rows:
+        if (r["context"], r["batch"]) != (4096, 1) or r["variant"] not in HOST_TARGETS:
+            continue
+        us, launches = HOST_TARGETS[r["variant"]]
+        out.append({"target": f"{r['variant']} 4K batch 1: <= {us:.0f} us host per layer and "
+                    "step", "value": f"{r['host_us_per_layer_step']:.1f} us",
+                    "met": r["host_us_per_layer_step"] <= us})
+        if launches is not None:
+            out.append({"target": f"{r['variant']}: <= {launches} launches per layer and step",
+                        "value": f"{r['launches_per_layer_step']:.2f}",
+                        "met": r["launches_per_layer_step"] <= launches})
+    reads = max(r["device_reads_per_layer_step"] for r in rows)
+    out.append({"target": "0 host reads of device data in a decode step (every row)",
+                "value": f"max {reads:.2f} per layer and step", "met": reads == 0})
+    result = {"rows": rows, "targets": out, "steps": steps, "commit": _commit(),
+              "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                              "machine": platform.machine()}}
+    if out_root:
+        folder = new_results_dir(out_root, "host-ctx" + "_".join(
+            f"{c // 1024}k" for c in contexts) + "-b" + "_".join(map(str, batches)))
+        result["out"] = str(folder)
+        save_json(result, folder / "host.json", quiet=True)
+        write_csv([{k: v for k, v in r.items() if k != "read_sites"} for r in rows],
+                  folder / "host.csv")
+    return result
+
+
+def host_summary(result: dict) -> str:
+    """The printed report of :func:`run_host_bench`."""
+    lines = ["Host cost of the tiered runtime per layer and decode step (kernels replaced by "
+             "instant stubs; CPU wall time minus the stubs; reads counted on the meta device; "
+             f"{result['steps']} decode steps after the prefill, structural work included):",
+             format_table(result["rows"], HOST_TABLE), "", "Targets:"]
+    lines += [f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']}"
+              for t in result["targets"]]
+    if result.get("out"):
+        lines.append(f"\nresults: {result['out']}/host.csv, host.json")
+    return "\n".join(lines)
 
 
 def _commit() -> str | None:

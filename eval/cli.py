@@ -104,6 +104,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.host:
+        from tierattn.eval.bench import host_summary, run_host_bench
+
+        kw = dict(contexts=(4096,), batches=(1,), steps=32) if args.smoke else {}
+        if args.contexts:
+            kw["contexts"] = args.contexts
+        if args.batch:
+            kw["batches"] = (args.batch,)
+        if args.steps:
+            kw["steps"] = args.steps
+        print(host_summary(run_host_bench(out_root=args.out_root, **kw)))
+        return 0
     base = BenchSpec.smoke() if args.smoke else BenchSpec()
     changes = {k: v for k, v in (("contexts", args.contexts), ("budgets", args.budgets),
                                  ("modes", args.modes), ("layers", args.layers),
@@ -226,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "times, host cost vs sdpa")
     bench.add_argument("--smoke", action="store_true",
                        help="reduced sizes (the CI smoke run): 1K/4K contexts, 4 steps")
+    bench.add_argument("--host", action="store_true",
+                       help="only the host-cost rows: the runtime's own work per layer and "
+                            "decode step with kernels stubbed (dense, offload 50%%, topk at "
+                            "4K/32K, batch 1/8; --smoke: 4K, batch 1), written to host.csv")
     bench.add_argument("--contexts", type=_ints, default=None,
                        help="comma-separated context lengths (default 4096,32768,131072)")
     bench.add_argument("--budgets", type=_floats, default=None,

@@ -112,6 +112,9 @@ class TieredCache(Cache):
             text.hidden_size // text.num_attention_heads
         self.runtime: TieredKVCache | None = None
         self.pending_layer: int | None = None  # updated, not yet attended
+        self._mask_seen: torch.Tensor | None = None  # the mask checked last (once per step)
+        self._mask_bad: torch.Tensor | None = None  # device flag: a decode mask was wrong
+        self._pad_of: torch.Tensor | None = None  # the runtime padding _pad was made from
         super().__init__(layers=[_TieredLayer(self, i) for i in range(self.num_layers)])
 
     def _start(self, key_states: torch.Tensor) -> None:
@@ -121,6 +124,32 @@ class TieredCache(Cache):
                 head_dim=self.head_dim, batch_size=key_states.shape[0],
                 dtype=key_states.dtype, device=key_states.device,
                 fingerprint=f"{self.model_config.model_type}")
+
+    def check_decode_mask(self, mask: torch.Tensor) -> None:
+        """Check a decode step's ``[B, kv_len]`` padding mask against the runtime's left
+        padding on the device, without reading it back: the model passes the same mask to every
+        layer, so it is checked once per step; a mismatch raises at :meth:`verify` (at the end
+        of ``generate``)."""
+        if mask is self._mask_seen:
+            return
+        self._mask_seen = mask
+        rt = self.runtime
+        if self._mask_bad is None or self._mask_bad.device != mask.device:
+            self._mask_bad = torch.zeros((), dtype=torch.bool, device=mask.device)
+            self._positions = torch.arange(rt.config.max_context, device=mask.device)
+        if self._pad_of is not rt.pad:  # set once per prompt
+            self._pad_of, self._pad = rt.pad, rt.pad.to(mask.device)
+        want = self._positions[:mask.shape[1]] >= self._pad[:, None]
+        self._mask_bad.logical_or_((mask.bool() != want).any())
+
+    def verify(self) -> None:
+        """Raise if a decode step's padding mask was not the prompt's left padding (a changed
+        padding or another pattern: the tiered cache serves a fixed left padding)."""
+        if self._mask_bad is not None and bool(self._mask_bad):
+            raise NotImplementedError(
+                "tierattn: a decode step's attention_mask was not the prompt's left padding "
+                "followed by ones; the tiered cache supports a fixed left padding (pad on the "
+                "left, as generate() does for decoder-only models).")
 
     def stats(self) -> dict:
         """The runtime's telemetry (empty before the first forward)."""

@@ -60,7 +60,10 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
             "tierattn: the patched model ran attention without its TieredCache (plain forward "
             "without a cache?). Call generate(), or pass cache=TieredCache(model.config, config).")
     if attention_mask is not None:
-        _left_padding(cache, attention_mask)
+        if query.shape[2] == 1:  # a decode step: checked on the device, once per step
+            cache.check_decode_mask(attention_mask)
+        else:
+            _left_padding(cache, attention_mask)
     cache.pending_layer = None
     if dropout:
         raise NotImplementedError("tierattn: attention dropout is not supported (inference only).")
@@ -72,8 +75,12 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
 
 
 def _left_padding(cache: TieredCache, mask: torch.Tensor) -> None:
-    """Hand the runtime the left padding of a ``[B, kv_len]`` padding mask (HF pads on the
-    left for generation); any other padding pattern is refused."""
+    """Hand the runtime the left padding of a prompt chunk's ``[B, kv_len]`` padding mask (HF
+    pads on the left for generation); any other padding pattern is refused. Read on the host:
+    a prompt chunk is not a decode step (those check the mask on the device)."""
+    if mask is cache._mask_seen:  # every layer gets the same mask: checked once
+        return
+    cache._mask_seen = mask
     keep = mask.bool()
     pad = (~keep).sum(dim=1).cpu()
     if bool(keep.all()):
@@ -165,6 +172,8 @@ class PatchHandle:
         self.active = True
 
     def _guard(self) -> None:
+        if self.cache is not None:
+            self.cache.verify()
         stats = self.stats()
         if not stats or not stats["total"]["attend_calls"]:
             raise RuntimeError(

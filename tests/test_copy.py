@@ -302,6 +302,21 @@ def test_unvalidated_out_of_range_pairs_copy_nothing(device, figures):
     figures.case("copy")
 
 
+def test_torch_backend_skips_out_of_range_pairs_like_the_kernel(figures):
+    # fixed-capacity slot lists pad with -1: the reference path skips those pairs too
+    gen = torch.Generator().manual_seed(6)
+    src, _ = make_pool(4, (2, 8, 1, 40), torch.float32, "cpu", PLAIN, gen)
+    dst, _ = make_pool(5, (2, 8, 1, 40), torch.float32, "cpu", PLAIN, gen)
+    before = dst.clone()
+    ss = torch.tensor([1, -1, 0, 3, -1], dtype=torch.int32)
+    ds = torch.tensor([0, -1, 4, 9, 2], dtype=torch.int32)
+    copy_pages(src, ss, dst, ds, validate=False, backend="torch")
+    assert torch.equal(_bits(dst[torch.tensor([0, 4])]), _bits(src[torch.tensor([1, 0])]))
+    for s in (1, 2, 3):
+        assert torch.equal(_bits(dst[s]), _bits(before[s]))
+    figures.case("copy")
+
+
 # --- one launch per call -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("m", [0, 1, 17, 40])

@@ -347,3 +347,42 @@ def test_triton_backend_without_interpreter_or_cuda_is_refused(monkeypatch):
     q, pool, pt = _ok()
     with pytest.raises(KernelUnsupportedError, match="TRITON_INTERPRET=1"):
         sparse_decode(q, pool, pt, backend="triton")
+
+
+# --- page LSE scattered by logical page (the runtime's decode step) ------------------------------
+
+@pytest.mark.parametrize("lens,hq,hkv,d,p", [
+    ([37, 1, 16], 8, 2, 64, 16), ([5, 0, 9, 33], 4, 4, 40, 4), ([129], 16, 2, 128, 16),
+    ([7, 8, 9], 10, 2, 100, 8)], ids=["B3-P16", "B4-P4-empty", "B1-long", "odd-D100"])
+def test_page_lse_scattered_by_index_equals_page_lse(lens, hq, hkv, d, p, device, figures):
+    # each entry's page LSE lands in the row page_lse_index names; rows not named stay as they
+    # were, and with the merged LSE the scattered rows give the page mass
+    gen = torch.Generator().manual_seed(len(lens) + d)
+    q, pool, pt = build(lens, hq, hkv, d, p, torch.float32, device, gen=gen)
+    nnz = pt.indices.numel()
+    dest = torch.randperm(nnz + 5, generator=gen)[:nnz].to(torch.int32)
+    plse = torch.full((nnz + 5, hq), 7.0, device=device)
+    res = sparse_decode(q, pool, pt, page_lse=plse, page_lse_index=dest.to(device))
+    ref = sparse_decode_reference(q.double(), pool.double(), pt, return_page_mass=True)
+    assert res.page_mass is None and res.page_lse is plse
+    assert check_rule(res.out, ref.out, ref.out.float(), torch.float32).ok
+    got = plse.cpu()[dest.long()]
+    want = ref.page_lse.float().cpu()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=False)
+    untouched = torch.ones(nnz + 5, dtype=torch.bool)
+    untouched[dest.long()] = False
+    assert (plse.cpu()[untouched] == 7.0).all()
+    figures.case("decode")
+
+
+def test_page_lse_scatter_refuses_mixing_and_head_rows(device, figures):
+    q, pool, pt = build([9], 4, 2, 16, 4, torch.float32, device)
+    plse = torch.zeros(8, 4, device=device)
+    idx = torch.zeros(pt.indices.numel(), dtype=torch.int32, device=device)
+    with pytest.raises(KernelInputError, match="go together"):
+        sparse_decode(q, pool, pt, page_lse=plse)
+    with pytest.raises(KernelInputError, match="excludes"):
+        sparse_decode(q, pool, pt, page_lse=plse, page_lse_index=idx, return_page_mass=True)
+    with pytest.raises(KernelInputError, match="page_lse must be"):
+        sparse_decode(q, pool, pt, page_lse=torch.zeros(8, 3, device=device), page_lse_index=idx)
+    figures.bad_input("decode")

@@ -153,6 +153,34 @@ def test_guard_catches_a_silent_fallback(monkeypatch):
             generate(model, ids)
 
 
+def test_a_decode_mask_that_is_not_the_prompts_left_padding_is_refused():
+    # decode steps check the mask on the device, without a sync; the mismatch raises at the end
+    import inspect
+
+    model = tiny("llama")
+    cfg = exact_config()
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
+    ids = torch.randint(3, 128, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with tierattn.patch(model, cfg):
+        cache = TieredCache(model.config, cfg)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+              **{arg: cache})
+        good = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        model(input_ids=ids[:, -1:], attention_mask=good, position_ids=pos[:, -1:] + 1,
+              use_cache=True, **{arg: cache})
+        cache.verify()  # the prompt's left padding followed by ones: fine
+        bad = torch.cat([good, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        bad[0, 3] = 0
+        model(input_ids=ids[:, -1:], attention_mask=bad, position_ids=pos[:, -1:] + 2,
+              use_cache=True, **{arg: cache})
+        with pytest.raises(NotImplementedError, match="left padding"):
+            cache.verify()
+
+
 def test_plain_forward_without_the_cache_is_refused():
     model = tiny("llama")
     with tierattn.patch(model, exact_config()), pytest.raises(RuntimeError, match="TieredCache"):

@@ -196,3 +196,57 @@ def test_bad_inputs(name, call, match, figures):
     with pytest.raises(KernelInputError, match=match):
         call()
     figures.bad_input("merge")
+
+
+# --- merge and page mass in one launch (the decode step's epilogue) ------------------------------
+
+@pytest.mark.parametrize("n,b,hq,d,pages,inf", [
+    (1, 2, 8, 16, 5, "none"), (2, 3, 6, 40, 70, "neg"), (3, 1, 32, 128, 130, "neg"),
+    (2, 2, 4, 64, 1, "pos"), (4, 3, 12, 100, 17, "none")],
+    ids=["N1", "N2-neginf", "N3-long", "N2-posinf", "N4-D100"])
+def test_merge_page_mass_equals_merge_then_mass(n, b, hq, d, pages, inf, device, figures):
+    from tierattn.kernels import merge_page_mass, merge_page_mass_reference
+
+    gen = torch.Generator().manual_seed(n * 100 + pages)
+    o = torch.randn(n, b, hq, d, generator=gen)
+    lse = torch.randn(n, b, hq, generator=gen) * 4
+    if inf == "neg":
+        lse[0, 0, 1] = float("-inf")
+        lse[:, -1, 0] = float("-inf")  # a head that saw no key at all: out 0, lse -inf, mass 0
+    if inf == "pos":
+        lse[0, 1, 2] = float("inf")
+    plse = torch.full((b * pages + 2, hq), float("-inf"))
+    hit = torch.randperm(b * pages, generator=gen)[:max(1, b * pages // 2)]
+    plse[hit] = torch.randn(len(hit), hq, generator=gen) - 1
+    mass = torch.rand(b * pages + 2, generator=gen)
+    want_o, want_lse = merge_states_reference(o.double(), lse.double())
+    norm = torch.where(torch.isneginf(want_lse), float("inf"), want_lse)
+    want_mass = mass.double().clone()
+    want_mass[:b * pages] += torch.exp(plse[:b * pages].double().view(b, pages, hq)
+                                       - norm[:, None, :]).sum(-1).view(-1)
+    got_plse, got_mass = plse.clone().to(device), mass.clone().to(device)
+    out, out_lse = merge_page_mass(o.to(device), lse.to(device), got_plse, got_mass,
+                                   pages_per_row=pages)
+    low_o, low_lse, _ = merge_page_mass_reference(o, lse, plse, pages)
+    c = max(check_rule(out, want_o, low_o, torch.float32),
+            check_rule(out_lse, want_lse, low_lse, torch.float32), key=lambda r: r.ratio)
+    figures.case("merge", c)
+    assert c.ok, c
+    assert not torch.isnan(out).any() and not torch.isnan(out_lse).any()
+    assert torch.allclose(got_mass.cpu().double(), want_mass, rtol=1e-5, atol=1e-6)
+    assert torch.isneginf(got_plse.cpu()[:b * pages]).all()  # reset for the next step
+    assert torch.equal(got_plse.cpu()[b * pages:], plse[b * pages:])  # rows past B*P untouched
+    assert torch.equal(got_mass.cpu()[b * pages:], mass[b * pages:])
+
+
+def test_merge_page_mass_bad_inputs(figures):
+    from tierattn.kernels import merge_page_mass
+
+    o, lse = torch.zeros(2, 1, 4, 8), torch.zeros(2, 1, 4)
+    with pytest.raises(KernelInputError, match="page_lse must be"):
+        merge_page_mass(o, lse, torch.zeros(3, 4), torch.zeros(8), pages_per_row=8)
+    with pytest.raises(KernelInputError, match="mass must be"):
+        merge_page_mass(o, lse, torch.zeros(8, 4), torch.zeros(3), pages_per_row=8)
+    with pytest.raises(KernelInputError, match="pages_per_row"):
+        merge_page_mass(o, lse, torch.zeros(8, 4), torch.zeros(8), pages_per_row=-1)
+    figures.bad_input("merge")

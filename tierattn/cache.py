@@ -185,6 +185,7 @@ class TieredKVCache:
         t0 = time.perf_counter()
         st, pm, p = self.pages.layers[layer], self.pages, self.page_size
         _, _, t, _ = self._check_kv(k, v)
+        k, v = k.detach(), v.detach()  # the cache stores values, not autograd history
         if t > self.config.prefill_chunk_size:
             raise KernelInputError(
                 f"update got {t} tokens per sequence; the pools have headroom for "
@@ -314,8 +315,8 @@ class TieredKVCache:
                 f"layer {layer}: a sliding-window prefill found demoted pages; pass "
                 "sliding_window on every attend call of this layer.")
         buffer = self.prefetcher.next_buffer(layer)
-        qd = q if q.dtype == self.dtype and q.device == self.device else \
-            q.to(self.device, self.dtype)
+        qd = q.detach() if q.dtype == self.dtype and q.device == self.device else \
+            q.detach().to(self.device, self.dtype)
         scale = sm_scale if sm_scale is not None else d ** -0.5
         run = self._decode if decode else self._prefill
         out, lse = run(layer, qd, tabs, buffer, dict(sm_scale=scale, softcap=softcap,
@@ -457,7 +458,7 @@ class TieredKVCache:
                 self._filled[layer] = None
                 imp.write_metadata(layer, self.hbm.pool(layer), slots,
                                    torch.full_like(slots, self.page_size), rows)
-        needs = budgets.needs_importance()
+        needs = budgets.needs_importance(layer)
         bound = self.policies.demotion.needs_bound
         if budgets.due(layer, decode=decode):
             if needs and not decode:  # a prompt chunk: rank by its own, current importance

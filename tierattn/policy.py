@@ -243,9 +243,13 @@ class Budgets:
         if st.window is not None:
             return ("window", (length - st.window + 1) // p, -(-length // p))
         key: tuple = (-(-length // p), decode and self.policies.eviction.one_shot)
-        if self.evicts:
+        if self.evicting(layer):
             key += tuple(self.evict_pages(length - pad) for pad in self.pages.pad.tolist())
         return key
+
+    def evicting(self, layer: int) -> bool:
+        """Whether ``layer`` may still evict (a one-shot policy evicts once)."""
+        return self.evicts and not (self.policies.eviction.one_shot and self.pruned[layer])
 
     def due(self, layer: int, *, decode: bool) -> bool:
         """Whether :meth:`rebalance` may change anything now: after a prompt chunk always;
@@ -259,12 +263,13 @@ class Budgets:
         st = self.pages.layers[layer]
         return self._done[layer] != (st.version, self._key(layer, st.length + 1, True))
 
-    def needs_importance(self) -> bool:
-        """Whether a decision reads the importance snapshot (so one is taken ahead)."""
+    def needs_importance(self, layer: int) -> bool:
+        """Whether a decision at ``layer`` reads the importance snapshot (so one is taken
+        ahead)."""
         demotes = self.num_tiers > 1
         return (demotes and (self.policies.demotion.needs_mass or
                              self.policies.demotion.needs_bound)) or \
-            (self.evicts and self.policies.eviction.needs_importance)
+            (self.evicting(layer) and self.policies.eviction.needs_importance)
 
     @property
     def evicts(self) -> bool:
