@@ -201,13 +201,22 @@ class PatchHandle:
         self.unpatch()
 
 
-def patch(model, config: TierConfig | None = None) -> PatchHandle:
+def patch(model, config: TierConfig | None = None, *,
+          cuda_graphs: bool | None = None) -> PatchHandle:
     """Serve ``model``'s attention from a tiered KV cache; returns the undo handle.
 
     Patching an already patched model returns its handle (idempotent); pass a different
     ``config`` by unpatching first.
+
+    Args:
+        model: a Hugging Face causal LM.
+        config: the :class:`~tierattn.config.TierConfig` (default: the ``offload`` preset).
+        cuda_graphs: overrides ``config.cuda_graphs`` (each layer's decode step captured in a
+            CUDA graph and replayed; needs the model on a CUDA device).
     """
     config = config or TierConfig.preset("offload")
+    if cuda_graphs is not None:
+        config = config.replace(cuda_graphs=cuda_graphs)
     existing = getattr(model, "_tierattn_handle", None)
     if existing is not None and existing.active:
         if existing.config != config:

@@ -39,7 +39,8 @@ import torch
 
 from tierattn import snapshot
 from tierattn.config import TierConfig
-from tierattn.errors import KernelInputError, KVCapacityError
+from tierattn.errors import KernelInputError, KVCapacityError, TierConfigError
+from tierattn.graphs import DecodeGraphs
 from tierattn.importance import Importance
 from tierattn.kernels import KernelSet
 from tierattn.mover import Mover
@@ -72,23 +73,32 @@ class TieredKVCache:
             later read of a freed slot shows up as NaN; costs one fill per release).
         kernels: the kernel entry points (default: the package's); every component calls
             kernels through this one object, so tools can time or stub them.
+        graph_backend: with ``config.cuda_graphs``: ``"cuda"`` (default; needs a CUDA device)
+            or ``"eager"``, which re-runs the captured step instead of replaying a graph (the
+            same buffers, keys and counters on a CPU; for tests).
     """
 
     def __init__(self, config: TierConfig, *, num_layers: int, num_kv_heads: int,
                  head_dim: int, batch_size: int = 1, dtype: torch.dtype = torch.float32,
                  device: str | torch.device | None = None, engine: TransferEngine | None = None,
                  fingerprint: str = "tierattn", staging_pages: int | None = None,
-                 poison_freed: bool = False, kernels: KernelSet | None = None) -> None:
+                 poison_freed: bool = False, kernels: KernelSet | None = None,
+                 graph_backend: str | None = None) -> None:
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("batch_size", batch_size)):
             if not isinstance(v, int) or v < 1:
                 raise KernelInputError(f"{name} must be an int >= 1, got {v!r}.")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise KernelInputError(f"dtype must be fp16, bf16 or fp32, got {dtype}.")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if config.cuda_graphs and (graph_backend or "cuda") == "cuda" and device.type != "cuda":
+            raise TierConfigError(
+                f"cuda_graphs: capturing decode steps needs a CUDA device, the cache is on "
+                f"{device}; set cuda_graphs=False.")
         self.config = config
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.batch_size, self.dtype = batch_size, dtype
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = device
         self.fingerprint = fingerprint
         self.kernels = kernels or KernelSet()
         self.engine = engine or default_engine(self.device, config.backend)
@@ -135,6 +145,9 @@ class TieredKVCache:
                       for i in range(num_layers)]
         self._filled: list[tuple | None] = [None] * num_layers  # page filled by the last token
         self._parts: tuple | None = None  # decode partial states, allocated on first use
+        self.graphs = DecodeGraphs(self.telemetry, graph_backend or "cuda") \
+            if config.cuda_graphs else None
+        self._stash: list[tuple | None] = [None] * num_layers  # a graph step's k, v
 
     # --- geometry ---------------------------------------------------------------------------
 
@@ -213,7 +226,14 @@ class TieredKVCache:
                 st.tier[rows_new, torch.arange(first_new, end)] = HOT
                 st.edited(cold=False)
         if t == 1:
-            self._write_token(layer, k, v)
+            if n1 % p == 0:  # the token fills its page: its metadata follows the attention
+                tabs = self._tables(layer)
+                self._filled[layer] = (tabs.current_slots, tabs.current_rows)
+            if self._graphed(layer):  # written by the captured step, with the attention
+                self._tables(layer)  # current at the old length: the write position is right
+                self._stash[layer] = (k, v)
+            else:
+                self._write_token(layer, k, v)
         else:
             self._write_chunk(layer, k, v, pm.alive.nonzero().flatten().tolist(), n0, n1)
         st.length = n1
@@ -232,8 +252,6 @@ class TieredKVCache:
                                       kv.view(-1, self.num_kv_heads, self.head_dim))
         tabs.write_pos.add_(1)
         tabs.hot.table.last_page_len.add_(1)
-        if (self.pages.layers[layer].length + 1) % self.page_size == 0:
-            self._filled[layer] = (tabs.current_slots, tabs.current_rows)
 
     def _write_chunk(self, layer: int, k: torch.Tensor, v: torch.Tensor, alive: list[int],
                      n0: int, n1: int) -> None:
@@ -318,17 +336,74 @@ class TieredKVCache:
         qd = q.detach() if q.dtype == self.dtype and q.device == self.device else \
             q.detach().to(self.device, self.dtype)
         scale = sm_scale if sm_scale is not None else d ** -0.5
-        run = self._decode if decode else self._prefill
-        out, lse = run(layer, qd, tabs, buffer, dict(sm_scale=scale, softcap=softcap,
-                                                     validate=False, backend=self.backend))
-        if sinks is not None:  # the sink takes exp(sink) of the softmax mass and adds nothing
-            out = out * torch.sigmoid(lse - sinks.to(lse.device, torch.float32)).unsqueeze(-1)
-        res = out.unsqueeze(2) if decode else out.view(b, t, hq, d).permute(0, 2, 1, 3)
-        res = res.to(q.dtype, copy=True)  # the partial-state buffers are reused next layer
+        common = dict(sm_scale=scale, softcap=softcap, validate=False, backend=self.backend)
+        if decode and self._stash[layer] is not None:  # the captured step, replayed
+            k, v = self._stash[layer]
+            self._stash[layer] = None
+            buffer = layer % RING  # a fixed staging buffer: the graph bakes its address
+            res = self.graphs.run(
+                layer, self._graph_key(layer, tabs, common, sinks, q.dtype), k, v, qd,
+                lambda k_, v_, q_: self._graph_step(layer, k_, v_, q_, buffer, common, sinks,
+                                                    q.dtype))
+            if self.policies.recall.exact:  # the bytes the replayed copies moved
+                for batch in self.pages.cold_batches(layer, self.tiers):
+                    for t, n in batch.pages_by_tier.items():
+                        if n and self.tiers[t].is_memory:
+                            self.mover.count_bytes(layer, t, n)
+        else:
+            run = self._decode if decode else self._prefill
+            out, lse = run(layer, qd, tabs, buffer, common)
+            res = self._finish(out, lse, sinks, q.dtype, (b, hq, t, d))
         tel.attend_calls += 1
         self._after(layer, decode, qd[:, :, 0] if decode else None)
         tel.host_time_s += time.perf_counter() - t0
         return res
+
+    def _finish(self, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None,
+                dtype: torch.dtype, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        """``[B, H_q, T, D]`` in ``dtype`` from the merged state (``[B*T, H_q, D]`` or, for a
+        decode step, ``[B, H_q, D]``), with the attention sinks applied."""
+        b, hq, t, d = shape
+        if sinks is not None:  # the sink takes exp(sink) of the softmax mass and adds nothing
+            out = out * torch.sigmoid(lse - sinks.to(lse.device, torch.float32)).unsqueeze(-1)
+        res = out.unsqueeze(2) if t == 1 else out.view(b, t, hq, d).permute(0, 2, 1, 3)
+        return res.to(dtype, copy=True)  # the partial-state buffers are reused next layer
+
+    def _graphed(self, layer: int) -> bool:
+        """Whether ``layer``'s decode steps go through a captured graph (not on a sliding
+        window layer, whose mask moves per token, nor with pages on a disk tier)."""
+        return self.graphs is not None and self.pages.layers[layer].window is None and \
+            not self.mover.on_disk(layer)
+
+    def _graph_step(self, layer: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor,
+                    buffer: int, common: dict, sinks: torch.Tensor | None,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """The device work of a decode step, as it is captured: the token's write, the
+        attention, the merge, on the compute stream (no engine stream or events)."""
+        self.mover.direct = True
+        try:
+            self._write_token(layer, k, v)
+            out, lse = self._decode(layer, q, self._tables(layer), buffer, common)
+            return self._finish(out, lse, sinks, dtype, (*q.shape[:2], 1, q.shape[3]))
+        finally:
+            self.mover.direct = False
+
+    def _graph_key(self, layer: int, tabs: LayerTables, common: dict,
+                   sinks: torch.Tensor | None, dtype: torch.dtype) -> tuple:
+        """The host values a captured decode step of ``layer`` bakes in: table storage, the
+        cold batches present, the recall budget, which tiers hold pages, the kernels' scalars."""
+        recall = self.policies.recall
+        cold = self.pages.cold_batches(layer, self.tiers) if recall.exact else []
+        k = recall.budget(layer) if not recall.exact and tabs.cold_pages else 0
+        if k:  # outside the graph: the selection's row counts follow the candidates
+            self.prefetcher.recall_layout(tabs, k)
+        return (tuple(t.data_ptr() for t in tabs.hot_storage),
+                tuple(t.data_ptr() for t in tabs.cold_storage) if cold else (),
+                tuple(tuple(t for t, n in x.pages_by_tier.items() if n) for x in cold), k,
+                tuple(t.num_used(layer) > 0 for t in self.tiers[1:]),
+                tabs.alive_rows is None, tabs.padded, self.budgets.wants_mass(),
+                common["sm_scale"], common["softcap"],
+                None if sinks is None else sinks.data_ptr(), dtype)
 
     def _decode(self, layer: int, qd: torch.Tensor, tabs: LayerTables, buffer: int,
                 common: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -470,7 +545,7 @@ class TieredKVCache:
 
     def _prefetch_next(self, layer: int, decode: bool) -> None:
         """Start fetching what the next layer (or layer 0 of the next step) will attend."""
-        if self.config.prefetch == "none":
+        if self.config.prefetch == "none" or self.graphs is not None:
             return
         nxt = (layer + 1) % self.num_layers
         exact = self.policies.recall.exact
@@ -516,6 +591,8 @@ class TieredKVCache:
             raise KernelInputError(f"reorder index must list {self.batch_size} sequence ids in "
                                    f"0..{self.batch_size - 1}, got {index}.")
         self.prefetcher.reset()  # their copies may read slots released below
+        if self.graphs is not None:
+            self.graphs.reset()
         self.mover.reorder(index)
         rows = torch.tensor(index)
         self.importance.reorder(rows)
@@ -577,6 +654,9 @@ class TieredKVCache:
         self.importance.reset()
         self.budgets.reset()
         self._filled = [None] * self.num_layers
+        self._stash = [None] * self.num_layers
+        if self.graphs is not None:
+            self.graphs.reset()
 
     def refresh_metadata(self, layer: int) -> None:
         """Recompute the Quest metadata of every live page of ``layer`` (after a load)."""

@@ -95,6 +95,12 @@ class TierConfig:
         prefill_chunk_size: most tokens one ``append`` may add per sequence (pool headroom).
         backend: kernels' backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         seed: seed of the random eviction policy.
+        cuda_graphs: capture each layer's decode step (the token's K/V write, attention over
+            the hot and cold pages, merge, page mass) in a CUDA graph and replay it; the rare
+            structural work (new pages, demotions) runs between replays. Needs a CUDA device;
+            off by default until a GPU run shows replay token-identical to eager. Layers with a
+            sliding window run eagerly; the layer-ahead prefetch is off (each graph copies its
+            own cold pages).
     """
 
     page_size: int = 16
@@ -114,6 +120,7 @@ class TierConfig:
     prefill_chunk_size: int = 512
     backend: str = "auto"
     seed: int = 0
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         def fail(knob: str, msg: str) -> None:
@@ -165,6 +172,8 @@ class TierConfig:
             v = getattr(self, knob)
             if not isinstance(v, int) or v < 1:
                 fail(knob, f"must be an int >= 1, got {v!r}.")
+        if not isinstance(self.cuda_graphs, bool):
+            fail("cuda_graphs", f"must be True or False, got {self.cuda_graphs!r}.")
         object.__setattr__(self, "tiers", tiers)
 
     def demotes(self) -> bool:

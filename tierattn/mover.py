@@ -41,6 +41,9 @@ class Mover:
         self.telemetry, self.device = telemetry, device
         self.page_size = pages.page_size
         self.page_bytes = tiers[0].page_bytes
+        #: copy on the current stream without the engine's stream and events (a decode step
+        #: being captured in a CUDA graph)
+        self.direct = False
 
     # --- the one path ------------------------------------------------------------------------
 
@@ -77,6 +80,14 @@ class Mover:
         self._count(layer, src, dst_tier, src_slots.numel())
         return ticket
 
+    def count_bytes(self, layer: int, src: int, n: int) -> None:
+        """Count ``n`` pages moved from tier ``src`` into the device (no launch counted: a
+        replayed graph launched them)."""
+        c = self.telemetry.layers[layer]
+        c.h2d_bytes[self.tiers[src].kind] += n * self.page_bytes
+        if self.telemetry.decoding:
+            c.h2d_decode_bytes += n * self.page_bytes
+
     def _count(self, layer: int, src: int, dst: Tier | None, n: int) -> None:
         tel = self.telemetry
         c = tel.layers[layer]
@@ -106,12 +117,20 @@ class Mover:
         """Copy pages of memory tier ``src`` into ``dst_pool`` (a staging buffer) by int32 slot
         lists already on the device (-1 pairs copy nothing): one launch, no host read.
         ``pages``: how many pairs are real, for the counters (None: counted on the device)."""
-        ticket = self.engine.copy(self.tiers[src].pool(layer), src_slots, dst_pool, dst_slots,
-                                  after=after)
-        if wait:
-            self.engine.wait(ticket)
+        if self.direct:  # inside a captured step: on the current stream, no events
+            self.engine.kernels.copy_pages(self.tiers[src].pool(layer), src_slots, dst_pool,
+                                           dst_slots, validate=False, backend=self.engine.backend)
             ticket = None
-        self._count(layer, src, None, pages or 0)
+        else:
+            ticket = self.engine.copy(self.tiers[src].pool(layer), src_slots, dst_pool,
+                                      dst_slots, after=after)
+            if wait:
+                self.engine.wait(ticket)
+                ticket = None
+        if not self.direct:  # a captured step's bytes are counted per replay by the cache
+            self._count(layer, src, None, pages or 0)
+        else:
+            self._count(layer, src, None, 0)
         return ticket
 
     def read_into(self, layer: int, src: int, src_slots: list[int], token_starts: list[int],

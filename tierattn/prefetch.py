@@ -114,8 +114,10 @@ class Prefetcher:
         return buffer
 
     def mark_read(self) -> None:
-        """A kernel was just launched on a staging buffer: later copies into it wait for it."""
-        self.fence = self.engine.fence()
+        """A kernel was just launched on a staging buffer: later copies into it wait for it
+        (copies on the compute stream itself, in a captured step, need no fence)."""
+        if not self.mover.direct:
+            self.fence = self.engine.fence()
 
     # --- exact attention: the layer's static cold batches ---------------------------------------
 
@@ -125,7 +127,7 @@ class Prefetcher:
         pool = self.buffers[buffer]
         tickets = [self.mover.copy_slots(layer, t, src, pool, dst, pages=batch.pages_by_tier[t],
                                          after=after, wait=wait)
-                   for t, src, dst in batch.copies]
+                   for t, src, dst in batch.copies if batch.pages_by_tier[t]]
         for t, src, starts, dst in batch.reads:
             self.mover.read_into(layer, t, src, starts, pool, dst)
         return tickets
@@ -163,7 +165,7 @@ class Prefetcher:
         if pre is not None:
             self._wait_all(pre.tickets)
         tel = self.telemetry.layers[layer]
-        rc = self._recall_layout(tabs, k)
+        rc = self.recall_layout(tabs, k)
         if not rc.table.total:
             if pre is not None:
                 tel.wasted_prefetches += pre.pages
@@ -197,35 +199,42 @@ class Prefetcher:
             tel.late_misses += rc.table.total + rc.padding
             tel.wasted_prefetches += sel.pages + rc.padding
             tel.prefetch_hits -= rc.padding
+        # a captured step counts on the device: its host totals would be baked in
+        host_total = sel is None and not self.mover.direct
         self.mover.copy_recalled(layer, src, cols, pool, rc.table.table.indices,
-                                 after=self.fence, pages=None if sel is not None else
-                                 rc.table.total)
+                                 after=self.fence, pages=rc.table.total if host_total else None)
         self.selection[layer] = _Selection(cols, full, k, tabs.cold_version, rc.table.total)
         yield rc.table, pool
 
-    def _recall_layout(self, tabs: LayerTables, k: int) -> _RecallLayout:
+    def recall_layout(self, tabs: LayerTables, k: int) -> _RecallLayout:
         """The staged table of a ``k``-page selection (row ``b`` at ``b * k`` with
         ``min(k, count_b)`` entries; its page rows are written per step) and the staging slots
-        of the two halves: the prefetched selection, then what it missed."""
+        of the two halves: the prefetched selection, then what it missed. Allocated once per
+        ``k``; the row counts are updated in place when the candidates change (so a captured
+        step keeps reading the same buffers; call it before a replay)."""
         b = self.pages.batch_size
         counts = [min(k, c) for c in tabs.candidates.counts]
-        key = (k, tuple(counts), tabs.cand_first is not None)
+        key = (k, tabs.cand_first is not None)
         layout = self._recall_layouts.get(key)
+        i32 = dict(dtype=torch.int32, device=self.device)
         if layout is None:
-            i32 = dict(dtype=torch.int32, device=self.device)
             first = torch.arange(b * k, **i32)
             layout = _RecallLayout(
                 DeviceTable(PageTable(indices=first.clone(), row_start=torch.arange(b, **i32) * k,
-                                      row_count=torch.tensor(counts, **i32),
-                                      last_page_len=torch.tensor(
-                                          [self.pages.page_size if c else 0 for c in counts],
-                                          **i32)),
+                                      row_count=torch.zeros(b, **i32),
+                                      last_page_len=torch.zeros(b, **i32)),
                             torch.zeros(b * k, **i32),
                             torch.zeros(b * k, **i32) if tabs.cand_first is not None else None,
-                            counts),
-                first, (torch.arange(b, **i32) * k)[:, None], (first + b * k).view(b, k),
-                sum(k - c for c in counts), torch.arange(k, **i32))
+                            [0] * b),
+                first, (torch.arange(b, **i32) * k)[:, None], (first + b * k).view(b, k), 0,
+                torch.arange(k, **i32))
             self._recall_layouts = {key: layout}  # one selection size at a time
+        if layout.table.counts != counts:
+            layout.table.table.row_count.copy_(torch.tensor(counts, **i32))
+            layout.table.table.last_page_len.copy_(
+                torch.tensor([self.pages.page_size if c else 0 for c in counts], **i32))
+            layout.table.counts[:] = counts
+            layout.padding = sum(k - c for c in counts)
         return layout
 
     # --- the seam ------------------------------------------------------------------------------
@@ -265,7 +274,7 @@ class Prefetcher:
         if sel is None or sel.version != tabs.cold_version or not sel.pages or \
                 self.mover.on_disk(layer) or 2 * b * sel.k > self.staging_pages:
             return
-        rc = self._recall_layout(tabs, sel.k)
+        rc = self.recall_layout(tabs, sel.k)
         tickets = self.mover.copy_recalled(layer, sel.src, sel.cols, self.buffers[buffer],
                                            rc.first, after=self.engine.fence(), wait=False,
                                            pages=sel.pages)
