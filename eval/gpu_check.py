@@ -47,11 +47,14 @@ import triton
 import triton.language as tl
 
 SECTIONS = ("gate", "calibration", "decode", "pipeline", "hostcost", "autotune")
+#: what runs without --sections: the runtime's checks (the kernel sweeps are opt-in)
+DEFAULT_SECTIONS = ("gate", "calibration", "pipeline", "hostcost")
 REPO = Path(__file__).resolve().parent.parent
 GATE_TESTS = ("tests/test_decode.py", "tests/test_score.py", "tests/test_merge.py",
               "tests/test_prefill.py", "tests/test_metadata.py", "tests/test_copy.py",
               "tests/test_kernel_edges.py", "tests/test_partial_states.py",
-              "tests/test_transfer.py", "tests/test_runtime.py", "tests/test_conservation.py")
+              "tests/test_transfer.py", "tests/test_runtime.py", "tests/test_conservation.py",
+              "tests/test_pagemap.py", "tests/test_decode_step.py", "tests/test_graphs.py")
 
 
 # --- timing --------------------------------------------------------------------------------
@@ -305,9 +308,17 @@ def section_pipeline(ctx: dict) -> dict:
     def rand(*shape):
         return torch.randn(*shape, dtype=torch.bfloat16, device=dev, generator=gen)
 
+    def decode_step(cache) -> None:
+        for layer in range(geo.layers):
+            torch.mm(x, w)
+            cache.update(layer, rand(1, geo.kv_heads, 1, geo.head_dim),
+                         rand(1, geo.kv_heads, 1, geo.head_dim))
+            cache.attend(layer, rand(1, geo.q_heads, 1, geo.head_dim))
+
     def run_cache(cfg: TierConfig) -> dict:
         cache = TieredKVCache(cfg, num_layers=geo.layers, num_kv_heads=geo.kv_heads,
-                              head_dim=geo.head_dim, dtype=torch.bfloat16, device=dev)
+                              head_dim=geo.head_dim, dtype=torch.bfloat16, device=dev,
+                              graph_backend=None if dev.type == "cuda" else "eager")
         fill_by_chunks(cache, context, chunk, lambda t: rand(1, geo.kv_heads, t, geo.head_dim),
                        lambda layer: rand(1, geo.q_heads, 1, geo.head_dim))
         times = []
@@ -316,20 +327,27 @@ def section_pipeline(ctx: dict) -> dict:
                 cache.telemetry.reset()
             _sync(dev)
             t0 = time.perf_counter()
-            for layer in range(geo.layers):
-                torch.mm(x, w)
-                cache.update(layer, rand(1, geo.kv_heads, 1, geo.head_dim),
-                             rand(1, geo.kv_heads, 1, geo.head_dim))
-                cache.attend(layer, rand(1, geo.q_heads, 1, geo.head_dim))
+            decode_step(cache)
             _sync(dev)
             if i >= warm:
                 times.append(time.perf_counter() - t0)
         tot = cache.stats()["total"]
+        # one more whole decode step (every layer) with any host sync an error
+        sync_free = None
+        if dev.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                decode_step(cache)
+                sync_free = True
+            except RuntimeError as e:
+                sync_free = f"synced: {str(e)[:300]}"
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
         per = steps * geo.layers
         pb = tot["page_bytes"]
         h2d = tot["h2d_decode_bytes"] / per
         # without a prefetch every fetch is late; wasted prefetches are moved but not attended
-        late = h2d if cfg.prefetch == "none" else tot["late_misses"] / per * pb
+        late = h2d if cfg.prefetch == "none" or cfg.cuda_graphs else tot["late_misses"] / per * pb
         used = h2d / pb - tot["wasted_prefetches"] / per
         attended = context if cfg.attend == "all" else \
             tot["resident_fraction"].get("hbm", 0) * context + used * cfg.page_size
@@ -340,9 +358,12 @@ def section_pipeline(ctx: dict) -> dict:
                tot["d2h_bytes_total"] / per, "late_bytes_per_layer_step": late,
                "attended_tokens": attended}
         host_ms = 1e3 * tot["host_time_s"] / per
+        graphs = cache.graphs
         del cache
         return {"ms": 1e3 * statistics.median(times), "host_ms_per_layer": host_ms,
-                "prefetch_hit_rate": tot["prefetch_hit_rate"], "counts": row}
+                "prefetch_hit_rate": tot["prefetch_hit_rate"], "counts": row,
+                "sync_free_step": sync_free,
+                "graph_replays": graphs.replays if graphs is not None else None}
 
     common = dict(page_size=16, max_context=context + warm + steps + 16,
                   prefill_chunk_size=chunk, backend=backend)
@@ -354,6 +375,10 @@ def section_pipeline(ctx: dict) -> dict:
         "ours topk 10%+10%": TierConfig.preset("topk", hot_budget=0.1, recall_budget=0.1,
                                                **common),
     }
+    # the same with every layer's decode step captured in a CUDA graph and replayed
+    for name in list(variants):
+        if "sync fetch" not in name:
+            variants[f"{name}, CUDA graphs"] = variants[name].replace(cuda_graphs=True)
     prof = ctx.get("profile")
     res: dict = {"context": context, "layers": geo.layers, "steps": steps, "rows": {}}
     for name, cfg in variants.items():
@@ -408,9 +433,15 @@ def section_pipeline(ctx: dict) -> dict:
         res["rows"]["whole-layer offload (HF DynamicCache)"] = {
             "error": traceback.format_exc()[-2000:]}
     base = res["rows"].get("all resident", {}).get("ms")
-    for r in res["rows"].values():
+    for name, r in res["rows"].items():
         if base and "ms" in r:
             r["exposed_vs_resident_ms"] = r["ms"] - base
+        # the modeled time of the same design: prefetch-less variants fetch synchronously
+        r["modeled_key"] = "whole_layer_ms" if name.startswith("whole") else \
+            "resident_ms" if name.startswith("all resident") else \
+            "sync_ms" if "graphs" in name or "sync" in name else "ours_ms"
+        if "ms" in r and r.get("modeled", {}).get(r["modeled_key"]):
+            r["measured_over_modeled"] = r["ms"] / r["modeled"][r["modeled_key"]]
     return res
 
 
@@ -421,7 +452,7 @@ def section_hostcost(ctx: dict) -> dict:
 
     tiny = ctx["tiny"]
     return reasoner_step_times(device=ctx["dev"], steps=4 if tiny else 32,
-                               repeats=1 if tiny else 3, progress=False)
+                               repeats=1 if tiny else 3, progress=False, graphs=True)
 
 
 def section_autotune(ctx: dict) -> dict:
@@ -502,18 +533,21 @@ def markdown(result: dict) -> str:
         p = s["pipeline"]
         lines += [f"## Tiered pipeline ({p['layers']} Llama-8B-shaped layers, context "
                   f"{p['context']}, batch 1, GEMM per layer)", "",
-                  "| variant | measured ms/token | exposed vs resident ms | modeled ms/token | "
-                  "host ms/layer | prefetch hit rate |", "|---|---|---|---|---|---|"]
+                  "| variant | measured ms/token | modeled ms/token | measured/modeled | "
+                  "exposed vs resident ms | host ms/layer | prefetch hit rate | step without "
+                  "a sync |", "|---|---|---|---|---|---|---|---|"]
         for name, r in p["rows"].items():
             if "error" in r:
-                lines.append(f"| {name} | error: {r['error'].splitlines()[-1][:80]} | | | | |")
+                lines.append(f"| {name} | error: {r['error'].splitlines()[-1][:80]} "
+                             "| | | | | | |")
                 continue
             m = r.get("modeled", {})
-            key = {"all resident": "resident_ms", "ours offload 50%, sync fetch": "sync_ms"}.get(
-                name, "whole_layer_ms" if name.startswith("whole") else "ours_ms")
-            lines.append(f"| {name} | {r['ms']:.2f} | {_fmt(r.get('exposed_vs_resident_ms'))} | "
-                         f"{_fmt(m.get(key))} | {_fmt(r.get('host_ms_per_layer'), '.3f')} | "
-                         f"{_fmt(r.get('prefetch_hit_rate'))} |")
+            lines.append(f"| {name} | {r['ms']:.2f} | {_fmt(m.get(r.get('modeled_key')))} | "
+                         f"{_fmt(r.get('measured_over_modeled'))} | "
+                         f"{_fmt(r.get('exposed_vs_resident_ms'))} | "
+                         f"{_fmt(r.get('host_ms_per_layer'), '.3f')} | "
+                         f"{_fmt(r.get('prefetch_hit_rate'))} | "
+                         f"{_fmt(r.get('sync_free_step'))} |")
         lines.append("")
     if "hostcost" in s and "error" not in s["hostcost"]:
         h = s["hostcost"]
@@ -562,7 +596,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def run(out: str | Path, *, sections: tuple[str, ...] = SECTIONS, tiny: bool = False,
+def run(out: str | Path, *, sections: tuple[str, ...] = DEFAULT_SECTIONS, tiny: bool = False,
         commit: str | None = None, gate_timeout: int = 200, autotune_seconds: float = 80,
         device: str | None = None) -> dict:
     """Run the sections in order; returns the result dict (also written under ``out``)."""
@@ -598,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tierattn.eval.gpu_check",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for gpu_check.json/.md and logs")
-    ap.add_argument("--sections", default=",".join(SECTIONS),
+    ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                     help=f"comma-separated subset of {','.join(SECTIONS)}")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU smoke test)")
     ap.add_argument("--commit", default=None, help="commit to record (default: git HEAD)")
