@@ -2,7 +2,7 @@
 imports included, and no cycle anywhere.
 
     errors -> config -> kernels -> tiers/transfer (kvfile, telemetry) -> pagemap -> mover
-    -> prefetch -> importance/policy -> snapshot -> cache -> models -> eval
+    -> prefetch -> importance/policy -> attention/graphs -> snapshot -> cache -> models -> eval
 
 A module may import modules of its own layer or below; an import of a higher layer, at load
 time or inside a function, fails this test, and so does a cycle inside a layer.
@@ -29,6 +29,7 @@ LAYERS = [
     ["tierattn.mover"],
     ["tierattn.prefetch"],
     ["tierattn.importance", "tierattn.policy"],
+    ["tierattn.attention", "tierattn.graphs"],
     ["tierattn.snapshot"],
     ["tierattn.cache"],
     ["tierattn.models"],
