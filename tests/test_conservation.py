@@ -83,14 +83,14 @@ class Walk:
                     self.dropped[layer][b] |= toks
             assert new == evicted, (new, evicted)
 
-    def pick(self, where):
+    def pick(self, where, skip_first: int = 0):
         cands = []
         for layer in range(L):
             st = self.cache.pages.layers[layer]
             n = self.cache.num_pages(layer)
             for b in range(B):
                 if self.alive[b]:
-                    for pg in range(max(0, n - 1)):  # never the page being filled
+                    for pg in range(skip_first, max(0, n - 1)):  # never the page being filled
                         if where(int(st.tier[b, pg])):
                             cands.append((layer, b, pg))
         return self.rng.choice(cands) if cands else None
@@ -110,7 +110,8 @@ class Walk:
         self.move((1, 2, 3), self.rng.choice([HOT, 1]))
 
     def evict(self):
-        c = self.pick(lambda t: t != NONE)
+        sinks = self.cache.config.sink_pages  # never evicted (no left padding here)
+        c = self.pick(lambda t: t != NONE, skip_first=sinks)
         if c:
             layer, b, pg = c
             self.cache.evict(layer, b, [pg])

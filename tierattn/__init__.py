@@ -10,6 +10,7 @@ from tierattn.errors import (
     KernelUnsupportedError,
     KVCapacityError,
     KVFileError,
+    KVIOError,
     TierAttnError,
     TierConfigError,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "FakeAsyncEngine",
     "KVCapacityError",
     "KVFileError",
+    "KVIOError",
     "KernelInputError",
     "KernelUnsupportedError",
     "TierAttnError",

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from tierattn import snapshot
+from tierattn import snapshot, validate
 from tierattn.attention import Attention
 from tierattn.config import TierConfig
-from tierattn.errors import KernelInputError, KVCapacityError, TierConfigError
+from tierattn.errors import KernelInputError, KVCapacityError, KVIOError, TierConfigError
 from tierattn.graphs import DecodeGraphs
 from tierattn.importance import Importance
 from tierattn.kernels import KernelSet
@@ -58,6 +58,17 @@ __all__ = ["TieredKVCache"]
 
 class TieredKVCache:
     """KV cache of ``num_layers`` layers over a hierarchy of tiers (see module docstring).
+
+    The rule of every public call (``update``, ``attend``, ``move``, ``evict``, ``free``,
+    ``reorder``, ``set_padding``, ``save``, ``load``, ``reset``): it completes, or it raises a
+    typed error (:mod:`tierattn.errors`) and changes nothing. Arguments are validated first
+    (:mod:`~tierattn.validate`: indices in range, no negatives or duplicates, never the page
+    being filled, a sink or a freed sequence, dtypes and shapes the cache holds), slots are
+    taken before pages move, and an I/O failure rolls back (slots released, partial files
+    deleted) and raises :class:`~tierattn.errors.KVIOError`. The one deferred case: a demotion
+    that fails inside ``attend`` (the lower tiers full, a disk error) leaves its pages in HBM
+    and is retried when the next step starts (:meth:`settle`, called by ``update`` of layer 0),
+    which raises, with nothing appended and every layer in step, if it still fails.
 
     Args:
         config: the :class:`~tierattn.config.TierConfig`.
@@ -86,9 +97,12 @@ class TieredKVCache:
                  fingerprint: str = "tierattn", staging_pages: int | None = None,
                  poison_freed: bool = False, kernels: KernelSet | None = None,
                  graph_backend: str | None = None) -> None:
+        if not isinstance(config, TierConfig):
+            raise TierConfigError(f"config must be a TierConfig (e.g. TierConfig.preset("
+                                  f"'offload', ...)), got {type(config).__name__}.")
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
                         ("head_dim", head_dim), ("batch_size", batch_size)):
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise KernelInputError(f"{name} must be an int >= 1, got {v!r}.")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise KernelInputError(f"dtype must be fp16, bf16 or fp32, got {dtype}.")
@@ -152,6 +166,7 @@ class TieredKVCache:
         self.graphs = DecodeGraphs(self.telemetry, graph_backend or "cuda") \
             if config.cuda_graphs else None
         self._stash: list[tuple | None] = [None] * num_layers  # a graph step's k, v
+        self._deferred: list[Exception | None] = [None] * num_layers  # a failed demotion
 
     # --- geometry ---------------------------------------------------------------------------
 
@@ -180,11 +195,7 @@ class TieredKVCache:
         """Mark the first ``pad[b]`` tokens of sequence ``b`` as left padding: they stay stored
         but are never attended (pages made only of padding are skipped, the boundary page is
         masked token by token)."""
-        pad = torch.as_tensor(pad, dtype=torch.long).flatten().cpu()
-        if pad.numel() != self.batch_size or (pad < 0).any():
-            raise KernelInputError(f"pad must list {self.batch_size} non-negative token counts, "
-                                   f"got {pad.tolist()}.")
-        self.pages.pad = pad.clone()
+        self.pages.pad = validate.check_padding(self, pad)
         self.pages.sequences_changed()
 
     def _tables(self, layer: int) -> LayerTables:
@@ -200,22 +211,15 @@ class TieredKVCache:
                 cache's dtype).
         """
         t0 = time.perf_counter()
+        layer, t = validate.check_update(self, layer, k, v)
         st, pm, p = self.pages.layers[layer], self.pages, self.page_size
-        _, _, t, _ = self._check_kv(k, v)
         k, v = k.detach(), v.detach()  # the cache stores values, not autograd history
-        if t > self.config.prefill_chunk_size:
-            raise KernelInputError(
-                f"update got {t} tokens per sequence; the pools have headroom for "
-                f"prefill_chunk_size={self.config.prefill_chunk_size}: prefill in chunks of at "
-                "most that many tokens, or raise prefill_chunk_size.")
         n0 = st.length
         n1 = n0 + t
-        if n1 > self.max_pages * p:
-            raise KVCapacityError(
-                f"sequence length {n1} exceeds max_context={self.config.max_context} of the "
-                "config; raise max_context.")
         first_new, end = math.ceil(n0 / p), math.ceil(n1 / p)
         new = end - first_new
+        if layer == 0:
+            self._start_step(n0, new, t == 1)
         if new:  # take the new pages' HBM slots (demoting first if HBM is full)
             alive = pm.alive.nonzero().flatten().tolist()
             if self.hbm.num_free(layer) < new * len(alive):
@@ -243,18 +247,32 @@ class TieredKVCache:
         st.length = n1
         self.telemetry.layers[layer].host_time_s += time.perf_counter() - t0
 
-    def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
-        for name, x in (("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor) or x.dim() != 4:
-                raise KernelInputError(f"{name} must be a [B, H_kv, T, D] tensor.")
-        if k.shape != v.shape:
-            raise KernelInputError(f"k {list(k.shape)} and v {list(v.shape)} must match.")
-        b, hkv, t, d = k.shape
-        if (b, hkv, d) != (self.batch_size, self.num_kv_heads, self.head_dim):
-            raise KernelInputError(
-                f"k/v have shape {list(k.shape)}; the cache holds B={self.batch_size}, "
-                f"H_kv={self.num_kv_heads}, D={self.head_dim} ([B, H_kv, T, D]).")
-        return b, hkv, t, d
+    def _start_step(self, n0: int, new: int, decode: bool) -> None:
+        """Before layer 0 appends: settle what the last step deferred and give every layer in
+        step HBM room for the pages this step starts, so a full hierarchy raises here, with
+        nothing appended and every layer in step, not half-way through the step."""
+        self.settle(decode=decode)
+        need = new * int(self.pages.alive.sum())
+        for layer in range(self.num_layers):
+            if need and self.pages.length(layer) == n0 and self.hbm.num_free(layer) < need:
+                self.budgets.make_room(layer, need)
+
+    def settle(self, *, decode: bool = True) -> None:
+        """Retry the demotions a step deferred (see the class docstring); raises
+        :class:`KVCapacityError` or :class:`KVIOError` if one still fails (their pages stay
+        in HBM, nothing else changes): free a sequence, free disk space or raise capacity,
+        then call again."""
+        for layer, err in enumerate(self._deferred):
+            if err is None:
+                continue
+            try:
+                self.budgets.rebalance(layer, decode)
+            except (KVCapacityError, KVIOError) as e:
+                why = (f"{e} Nothing was appended: the pages over the hot budget stay in HBM "
+                       "and every layer is in step; retry after freeing room.")
+                raise (KVIOError(e.errno, why) if isinstance(e, KVIOError)
+                       else KVCapacityError(why)) from e
+            self._deferred[layer] = None
 
     # --- attention ---------------------------------------------------------------------------
 
@@ -277,18 +295,9 @@ class TieredKVCache:
             ``[B, H_q, T, D]`` in ``q``'s dtype.
         """
         t0 = time.perf_counter()
+        layer = validate.check_attend(self, layer, q, sm_scale, softcap, sliding_window, sinks)
         st, tel = self.pages.layers[layer], self.telemetry.layers[layer]
         b, hq, t, d = q.shape
-        if b != self.batch_size or d != self.head_dim or hq % self.num_kv_heads:
-            raise KernelInputError(
-                f"q has shape {list(q.shape)}; expected [B={self.batch_size}, H_q (a multiple "
-                f"of H_kv={self.num_kv_heads}), T, D={self.head_dim}].")
-        if t > st.length:
-            raise KernelInputError(f"q has T={t} queries but layer {layer} holds {st.length} "
-                                   "tokens; call update(layer, k, v) first.")
-        if sliding_window is not None and (not isinstance(sliding_window, int)
-                                           or sliding_window < 1):
-            raise KernelInputError(f"sliding_window must be an int >= 1, got {sliding_window!r}.")
         decode = t == 1
         self.telemetry.decoding = decode
         st.window = sliding_window
@@ -345,7 +354,10 @@ class TieredKVCache:
         if budgets.due(layer, decode=decode):
             if needs and not decode:  # a prompt chunk: rank by its own, current importance
                 imp.snapshot(layer, bound=bound)
-            budgets.rebalance(layer, decode)
+            try:
+                budgets.rebalance(layer, decode)
+            except (KVCapacityError, KVIOError) as e:  # rolled back: retried at the next step
+                self._deferred[layer] = e
         if needs and decode and budgets.due_next(layer):
             imp.snapshot(layer, bound=bound)
         self._prefetch_next(layer, decode)
@@ -366,22 +378,24 @@ class TieredKVCache:
     # --- whole-cache operations ----------------------------------------------------------
 
     def move(self, layer: int, sequence: int, page: int, tier: int) -> None:
-        """Move one live page to another tier (spill to disk, reload, demote by hand)."""
+        """Move one live page to another tier (spill to disk, reload, demote by hand); never
+        the page being filled, nor out of HBM on a sliding-window layer."""
+        layer, sequence, page, tier = validate.check_move(self, layer, sequence, page, tier)
         self.prefetcher.cancel(layer)  # a copy in flight may still read the slot freed below
         self.mover.move(layer, sequence, page, tier)
 
     def evict(self, layer: int, sequence: int, pages: list[int]) -> None:
-        """Drop ``pages`` of ``sequence`` in ``layer`` for good (counted as evicted tokens)."""
-        st = self.pages.layers[layer]
-        bad = [pg for pg in pages if not 0 <= pg < self.max_pages or
-               int(st.tier[sequence, pg]) == NONE]
-        if bad:
-            raise KernelInputError(f"pages {bad} of sequence {sequence} do not exist.")
+        """Drop ``pages`` (distinct live pages, not a sink nor the page being filled) of
+        ``sequence`` in ``layer`` for good (counted as evicted tokens)."""
+        layer, sequence, pages = validate.check_evict(self, layer, sequence, pages)
+        if not pages:
+            return
         self.prefetcher.cancel(layer)
         self.mover.drop(layer, sequence, pages)
 
     def free(self, sequence: int) -> None:
         """Release every page of ``sequence``; it attends nothing until :meth:`reset`."""
+        sequence = validate.check_sequence(self, "sequence", sequence)
         self.prefetcher.cancel_all()
         self.mover.free(sequence)
         self.importance.clear_sequence(sequence)
@@ -393,10 +407,7 @@ class TieredKVCache:
         twice gets its own copy of every page (in its tier, or the next one with room); one
         not chosen is freed. Raises :class:`KVCapacityError`, changing nothing, when the
         copies do not fit."""
-        index = [int(i) for i in (index.tolist() if isinstance(index, torch.Tensor) else index)]
-        if len(index) != self.batch_size or not all(0 <= i < self.batch_size for i in index):
-            raise KernelInputError(f"reorder index must list {self.batch_size} sequence ids in "
-                                   f"0..{self.batch_size - 1}, got {index}.")
+        index = validate.check_reorder(self, index)
         self.prefetcher.reset()  # their copies may read slots released below
         if self.graphs is not None:
             self.graphs.reset()
@@ -411,6 +422,8 @@ class TieredKVCache:
     def gather(self, layer: int, sequence: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every live token of ``sequence`` as ``(positions [n], kv [n, 2, H_kv, D])`` on the
         CPU, read from wherever it lives: one read per tier (tests compare it with a shadow)."""
+        layer = validate.index("layer", layer, self.num_layers, what="a layer of the cache")
+        sequence = validate.index("sequence", sequence, self.batch_size, what="a sequence")
         p, n = self.page_size, self.pages.length(layer)
         live = self.pages.live_pages(layer, sequence)
         pages = self.mover.read(layer, torch.full_like(live, sequence), live)
@@ -442,15 +455,23 @@ class TieredKVCache:
 
     def save(self, directory: str | Path) -> Path:
         """Write the whole cache (every tier, tables, importance) to one safetensors file in
-        ``directory``, atomically; returns its path."""
-        return snapshot.save(self, directory)
+        ``directory`` (an existing folder), atomically; returns its path. A storage failure
+        raises :class:`KVIOError` and leaves no file behind."""
+        directory = validate.check_save_dir(directory)
+        try:
+            return snapshot.save(self, directory)
+        except OSError as e:
+            raise validate.io_error(e, f"saving the cache into {directory}") from e
 
     def load(self, path: str | Path) -> None:
         """Replace this cache's content with a file written by :meth:`save` from a cache of
-        the same geometry; the file is validated whole before anything changes."""
+        the same geometry. The file is validated whole (format, checksum, geometry, the
+        consistency of its tables) and the tiers' room checked before anything changes; its
+        disk pages are written before the old content is released, so a failure leaves the old
+        content intact."""
         snapshot.load(self, path)
 
-    def reset_content(self) -> None:
+    def reset(self) -> None:
         """Release every page and forget all per-sequence state (tables, importance, policy
         state, prefetches); the geometry and telemetry stay."""
         self.prefetcher.reset()
@@ -462,6 +483,7 @@ class TieredKVCache:
         self.budgets.reset()
         self._filled = [None] * self.num_layers
         self._stash = [None] * self.num_layers
+        self._deferred = [None] * self.num_layers
         if self.graphs is not None:
             self.graphs.reset()
 

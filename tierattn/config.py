@@ -13,6 +13,7 @@ sequence's current length (a ``float`` in ``[0, 1]``); the runtime works in whol
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,12 +52,20 @@ class TierSpec:
         if self.kind not in TIER_KINDS:
             raise TierConfigError(f"tiers: kind={self.kind!r} is not one of {TIER_KINDS}.")
         if self.capacity_pages is not None and (
-                not isinstance(self.capacity_pages, int) or self.capacity_pages < 0):
+                not _is_int(self.capacity_pages) or self.capacity_pages < 0):
             raise TierConfigError(
                 f"tiers: {self.kind} capacity_pages={self.capacity_pages!r} must be an int >= 0 "
                 "or None (sized from the config).")
         if self.kind == "disk" and not self.path:
             raise TierConfigError("tiers: a disk tier needs path='DIR' (the page files' folder).")
+        if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
+            raise TierConfigError(f"tiers: path={self.path!r} must be a folder name.")
+        if self.numa_node is not None and (not _is_int(self.numa_node) or self.numa_node < 0):
+            raise TierConfigError(f"tiers: numa_node={self.numa_node!r} must be an int >= 0.")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _tiers(*kinds: str) -> tuple[TierSpec, ...]:
@@ -126,7 +135,7 @@ class TierConfig:
         def fail(knob: str, msg: str) -> None:
             raise TierConfigError(f"{knob}: {msg}")
 
-        if not isinstance(self.page_size, int) or self.page_size < 1:
+        if not _is_int(self.page_size) or self.page_size < 1:
             fail("page_size", f"must be an int >= 1, got {self.page_size!r}.")
         for knob in ("hot_budget", "evict_budget", "recall_budget"):
             v = getattr(self, knob)
@@ -142,7 +151,7 @@ class TierConfig:
                  f"{self.evict_budget} exceed the whole sequence (1.0); lower one of them.")
         for knob in ("sink_pages", "recent_pages"):
             v = getattr(self, knob)
-            if not isinstance(v, int) or v < 0:
+            if not _is_int(v) or v < 0:
                 fail(knob, f"must be an int >= 0, got {v!r}.")
         choices = {"attend": ("all", "topk"), "score": ("mass", "quest", "hybrid"),
                    "evict_policy": ("h2o", "streaming", "snapkv", "random"),
@@ -154,7 +163,13 @@ class TierConfig:
         if self.attend == "all" and self.prefetch == "speculative":
             fail("prefetch", "'speculative' picks pages for attend='topk'; with attend='all' "
                  "every cold page is fetched, so use prefetch='layer_ahead' or 'none'.")
-        tiers = tuple(self.tiers)
+        if isinstance(self.tiers, (str, TierSpec)) or not hasattr(self.tiers, "__iter__"):
+            fail("tiers", f"must be a sequence of TierSpec (or tier kinds), got {self.tiers!r}; "
+                 "e.g. tiers=(TierSpec('hbm'), TierSpec('ddr')).")
+        tiers = tuple(TierSpec(t) if isinstance(t, str) else t for t in self.tiers)
+        bad = [t for t in tiers if not isinstance(t, TierSpec)]
+        if bad:
+            fail("tiers", f"{bad[0]!r} is neither a TierSpec nor a tier kind {TIER_KINDS}.")
         if not tiers or tiers[0].kind != "hbm":
             fail("tiers", "the first tier must be 'hbm' (the device pool), e.g. "
                  "tiers=(TierSpec('hbm'), TierSpec('ddr')).")
@@ -170,8 +185,10 @@ class TierConfig:
                  "hot_budget=1.0, or evict the rest (evict_budget=1 - hot_budget).")
         for knob in ("max_context", "prefill_chunk_size", "snapkv_window", "snapkv_kernel"):
             v = getattr(self, knob)
-            if not isinstance(v, int) or v < 1:
+            if not _is_int(v) or v < 1:
                 fail(knob, f"must be an int >= 1, got {v!r}.")
+        if not _is_int(self.seed):
+            fail("seed", f"must be an int, got {self.seed!r}.")
         if not isinstance(self.cuda_graphs, bool):
             fail("cuda_graphs", f"must be True or False, got {self.cuda_graphs!r}.")
         object.__setattr__(self, "tiers", tiers)
@@ -187,6 +204,9 @@ class TierConfig:
 
     def replace(self, **changes) -> TierConfig:
         """A copy with ``changes`` applied (validated again)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TierConfigError(f"replace: {unknown} are not TierConfig knobs.")
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -194,6 +214,11 @@ class TierConfig:
         """A named configuration; ``overrides`` replace any knob (see :data:`PRESETS`)."""
         if name not in PRESETS:
             raise TierConfigError(f"preset: {name!r} is not one of {tuple(PRESETS)}.")
+        knobs = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - knobs)
+        if unknown:
+            raise TierConfigError(f"preset: {unknown} are not TierConfig knobs; the knobs are "
+                                  f"{sorted(knobs)}.")
         return cls(**{**PRESETS[name], **overrides})
 
     def pages(self, budget: int | float, num_pages: int, num_tokens: int) -> int:

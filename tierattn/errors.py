@@ -5,7 +5,8 @@ This module imports nothing from the package, so every layer (kernels included) 
 
 from __future__ import annotations
 
-__all__ = ["TierAttnError", "KernelInputError", "KernelUnsupportedError"]
+__all__ = ["KVCapacityError", "KVFileError", "KVIOError", "KernelInputError",
+           "KernelUnsupportedError", "TierAttnError", "TierConfigError"]
 
 
 class TierAttnError(Exception):
@@ -30,3 +31,8 @@ class KVCapacityError(TierAttnError, MemoryError):
 
 class KVFileError(TierAttnError, ValueError):
     """A KV file (disk tier page or saved cache) failed validation; nothing was loaded."""
+
+
+class KVIOError(TierAttnError, OSError):
+    """A tier's storage failed while pages moved (disk full, an I/O error); the move was rolled
+    back: the pages are where they were and no slot or file is left behind."""

@@ -13,9 +13,11 @@ slots are always taken before anything changes, so a full hierarchy raises
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from tierattn.errors import KernelInputError, KVCapacityError
+from tierattn.errors import KernelInputError, KVCapacityError, KVIOError, TierAttnError
 from tierattn.pagemap import HOT, NONE, PageMap
 from tierattn.telemetry import Telemetry
 from tierattn.tiers import MemoryTier, Tier
@@ -210,16 +212,40 @@ class Mover:
                 f"room for {len(pages) - len(todo)} (free pages per tier: {free}); raise their "
                 "capacity_pages, add a tier, or set evict_budget.")
         st = self.pages.layers[layer]
+        jobs = []
         for ti, items, slots in plan:
             rows = torch.tensor([b for b, _ in items], dtype=torch.long)
             cols = torch.tensor([pg for _, pg in items], dtype=torch.long)
-            src = st.slot[rows, cols].long()
-            # the freed HBM slots are rewritten by later kernels: the copy is waited on first
-            self.copy(layer, HOT, src, cols * self.page_size, self.tiers[ti],
-                      torch.tensor(slots, dtype=torch.long))
-            self.telemetry.layers[layer].demoted_pages += len(items)
+            jobs.append((ti, rows, cols, st.slot[rows, cols].long(), slots))
+
+        def copy_all() -> None:
+            for ti, _, cols, src, slots in jobs:
+                # the freed HBM slots are rewritten by later kernels: the copy is waited on
+                self.copy(layer, HOT, src, cols * self.page_size, self.tiers[ti],
+                          torch.tensor(slots, dtype=torch.long))
+
+        self.atomic(layer, [(ti, slots) for ti, _, slots in plan], copy_all)
+        for ti, rows, cols, src, slots in jobs:  # every copy landed: commit
+            self.telemetry.layers[layer].demoted_pages += len(slots)
             self.tiers[HOT].release(layer, src.tolist())
             self.pages.demote(layer, rows, cols, ti, slots, self.tiers)
+
+    def atomic(self, layer: int, taken: list[tuple[int, list[int]]],
+               copies: Callable[[], object]) -> None:
+        """Run ``copies`` into the slots ``taken`` (``(tier, slots)``) all or nothing: if one
+        fails (a full disk, an I/O error, an interrupt, a failed launch), the taken slots are
+        given back (their files deleted) and the error is raised -- a storage failure as
+        :class:`KVIOError` -- with every page where it was."""
+        try:
+            copies()
+        except BaseException as e:
+            for ti, slots in taken:
+                self.tiers[ti].release(layer, slots)
+            if isinstance(e, OSError) and not isinstance(e, TierAttnError):
+                raise KVIOError(e.errno, f"layer {layer}: a page copy failed ({e}); it was "
+                                "rolled back: the pages are where they were. Free space on the "
+                                "disk tier or raise capacity elsewhere.") from e
+            raise
 
     def move(self, layer: int, sequence: int, page: int, tier: int) -> None:
         """Move one live page to ``tier`` (spill to disk, reload, demote by hand)."""
@@ -231,8 +257,9 @@ class Mover:
         if src_t == tier:
             return
         (slot,) = self.tiers[tier].alloc(layer, 1)
-        self.copy(layer, src_t, torch.tensor([src_s]), torch.tensor([page * self.page_size]),
-                  self.tiers[tier], torch.tensor([slot]))
+        self.atomic(layer, [(tier, [slot])], lambda: self.copy(
+            layer, src_t, torch.tensor([src_s]), torch.tensor([page * self.page_size]),
+            self.tiers[tier], torch.tensor([slot])))
         self.tiers[src_t].release(layer, [src_s])
         st.tier[sequence, page], st.slot[sequence, page] = tier, slot
         st.edited()
@@ -296,53 +323,95 @@ class Mover:
                         self.tiers[tj].release(layer, slots)
                     raise
         st = self.pages.layers[layer]
+
+        def write_all() -> None:
+            for ti, sel, slots in plan:
+                self.tiers[ti].write(layer, slots, data[sel],
+                                     (cols[sel] * self.page_size).tolist())
+
+        self.atomic(layer, [(ti, slots) for ti, _, slots in plan], write_all)
         for ti, sel, slots in plan:
-            self.tiers[ti].write(layer, slots, data[sel], (cols[sel] * self.page_size).tolist())
             st.tier[rows[sel], cols[sel]] = ti
             st.slot[rows[sel], cols[sel]] = torch.tensor(slots, dtype=torch.int32)
         st.edited()
 
     def reorder(self, index: list[int]) -> None:
         """Sequence ``i`` becomes old sequence ``index[i]`` (beam search). A sequence chosen
-        twice gets its own copy of every page (in its tier, or the next one with room); one
-        not chosen is freed. Raises :class:`KVCapacityError`, changing nothing, when the
-        copies do not fit."""
-        b = self.pages.batch_size
+        twice gets its own copy of every page (in its tier, or the next one with room; the page
+        being filled always in HBM); one not chosen is freed. Raises :class:`KVCapacityError`,
+        changing nothing, when the copies do not fit.
+
+        Copies go first into free slots (a failing one -- a full disk -- is rolled back), then,
+        where those run short, into the memory-tier slots of the sequences not chosen (the
+        last copies: memory to memory, nothing left to fail)."""
+        b, p = self.pages.batch_size, self.page_size
         dropped = [s for s in range(b) if s not in index]
         firsts = {old: new for new, old in reversed(list(enumerate(index)))}
         dups = [(new, old) for new, old in enumerate(index) if firsts[old] != new]
-        # plan every copy before changing anything: pages of dropped rows free up first
-        plans = []
+        plans = []  # per layer: (new, old, page, dst tier, reused slot or None)
         for layer, st in enumerate(self.pages.layers):
             free = [t.num_free(layer) for t in self.tiers]
+            reuse: list[list[int]] = [[] for _ in self.tiers]
             for old in dropped:
-                for ti in st.tier[old][st.tier[old] != NONE].tolist():
-                    free[ti] += 1
+                for pg in (st.tier[old] != NONE).nonzero().flatten().tolist():
+                    if self.tiers[int(st.tier[old, pg])].is_memory:
+                        reuse[int(st.tier[old, pg])].append(int(st.slot[old, pg]))
+            filling = st.length // p if st.length % p else None
             copies = []
             for new, old in dups:
                 for pg in (st.tier[old] != NONE).nonzero().flatten().tolist():
                     src = int(st.tier[old, pg])
-                    dst = next((t for t in [src] + list(range(len(self.tiers))) if free[t]), None)
+                    order = [HOT] if pg == filling else [src] + list(range(len(self.tiers)))
+                    # a reused slot is overwritten: only by a copy that cannot fail (memory)
+                    can_reuse = self.tiers[src].is_memory
+                    dst = next((t for t in order if free[t] or (can_reuse and reuse[t])), None)
                     if dst is None:
                         raise KVCapacityError(
                             f"reorder duplicates sequences {sorted({o for _, o in dups})} but "
-                            f"layer {layer} has no free slot left in any tier for their copies; "
-                            "raise the tiers' capacity_pages.")
-                    free[dst] -= 1
-                    copies.append((new, old, pg, dst))
-            plans.append(copies)
+                            f"layer {layer} has no free slot left for their copies (page "
+                            f"{pg}{', being filled, needs HBM' if pg == filling else ''}); raise "
+                            "the tiers' capacity_pages (or free a sequence first). Nothing "
+                            "changed.")
+                    if free[dst]:
+                        free[dst] -= 1
+                        copies.append((new, old, pg, dst, None))
+                    else:
+                        copies.append((new, old, pg, dst, reuse[dst].pop()))
+            plans.append(sorted(copies, key=lambda c: c[4] is not None))  # free slots first
+        made: list[list[tuple[int, int, int, int]]] = [[] for _ in plans]  # new, pg, dst, slot
+
+        def copy_all() -> None:
+            for layer, copies in enumerate(plans):
+                st = self.pages.layers[layer]
+                for new, old, pg, dst, slot in copies:
+                    if slot is None:
+                        (slot,) = self.tiers[dst].alloc(layer, 1)
+                    made[layer].append((new, pg, dst, slot))
+                    self.copy(layer, int(st.tier[old, pg]), st.slot[old, pg:pg + 1].long(),
+                              torch.tensor([pg * p]), self.tiers[dst], torch.tensor([slot]))
+
+        try:
+            copy_all()
+        except BaseException as e:
+            for layer, (copies, done) in enumerate(zip(plans, made)):
+                reused = {(c[3], c[4]) for c in copies if c[4] is not None}
+                for _, _, dst, slot in done:
+                    if (dst, slot) not in reused:
+                        self.tiers[dst].release(layer, [slot])
+            if isinstance(e, OSError) and not isinstance(e, TierAttnError):
+                raise KVIOError(e.errno, f"reorder: a page copy failed ({e}); rolled back: "
+                                "every sequence is as it was.") from e
+            raise
         rows = torch.tensor(index)
-        for layer, (st, copies) in enumerate(zip(self.pages.layers, plans)):
+        for layer, st in enumerate(self.pages.layers):  # every copy landed: commit
+            reused = {(dst, slot) for new, old, pg, dst, slot in plans[layer] if slot is not None}
             old_tier, old_slot = st.tier.clone(), st.slot.clone()
             for old in dropped:
                 live = old_tier[old] != NONE
-                self.release(layer, old_tier[old][live], old_slot[old][live])
+                keep = torch.tensor([(int(t), int(s)) not in reused for t, s in
+                                     zip(old_tier[old], old_slot[old])], dtype=torch.bool)
+                self.release(layer, old_tier[old][live & keep], old_slot[old][live & keep])
             st.tier, st.slot, st.evicted = old_tier[rows], old_slot[rows], st.evicted[rows]
-            for new, old, pg, dst in copies:
-                src_t, src_s = int(old_tier[old, pg]), int(old_slot[old, pg])
-                (slot,) = self.tiers[dst].alloc(layer, 1)
-                self.copy(layer, src_t, torch.tensor([src_s]),
-                          torch.tensor([pg * self.page_size]), self.tiers[dst],
-                          torch.tensor([slot]))
+            for new, pg, dst, slot in made[layer]:
                 st.tier[new, pg], st.slot[new, pg] = dst, slot
             st.edited()

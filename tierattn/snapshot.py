@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from tierattn.errors import KVFileError
+from tierattn import validate
+from tierattn.errors import KVCapacityError, KVFileError
 from tierattn.kvfile import read_kv_file, write_kv_file
 from tierattn.pagemap import NONE
 
@@ -88,27 +89,102 @@ def load(cache, path: str | Path) -> None:
                                   f"expected {dt} {list(shape)}.")
 
     data = read_kv_file(path, check, max_file_bytes=limit)
+    plans = [_layer_plan(cache, path, data, i) for i in range(n_layers)]
+    _check_sequences(cache, path, data)
+    for layer, (tier, live, _) in enumerate(plans):  # room in every tier, before any change
+        counts = torch.bincount(tier[live[:, 0], live[:, 1]].long(), minlength=len(cache.tiers))
+        for ti, t in enumerate(cache.tiers):
+            if int(counts[ti]) > t.capacity:
+                raise KVCapacityError(
+                    f"{path}: layer {layer} holds {int(counts[ti])} pages in the {t.kind} tier, "
+                    f"which has {t.capacity} slots per layer here; load it into a cache whose "
+                    f"{t.kind} capacity_pages is at least that. Nothing changed.")
+    # the disk pages go first, into the disk tiers' next generation of files: the old content
+    # is untouched until every write landed (a failure deletes what was written)
+    disks = [(ti, t) for ti, t in enumerate(cache.tiers) if not t.is_memory]
+    written: list[tuple] = []
+    try:
+        for layer, (tier, live, _) in enumerate(plans):
+            for ti, t in disks:
+                sel = (tier[live[:, 0], live[:, 1]] == ti).nonzero().flatten()
+                slots = list(range(len(sel)))
+                written.append((t, layer, slots))
+                t.write(layer, slots, data[f"layer{layer}.pages"][sel],
+                        (live[sel, 1] * cache.page_size).tolist(),
+                        generation=t.generation + 1)
+    except BaseException as e:
+        for t, layer, slots in written:
+            for slot in slots:
+                t.path(layer, slot, t.generation + 1).unlink(missing_ok=True)
+        raise validate.io_error(e, f"loading {path} (writing its disk pages)") from e
+    # commit: nothing below does I/O
     cache.prefetcher.cancel_all()
-    plans = []
-    for i in range(n_layers):
-        tier32 = data[f"layer{i}.tier"]
-        length = int(data[f"layer{i}.length"][0])
-        live = (tier32 != NONE).nonzero()
-        if len(live) != data[f"layer{i}.pages"].shape[0] or not 0 <= length <= mp * \
-                cache.page_size or (tier32 >= len(cache.tiers)).any() or (tier32 < NONE).any():
-            raise KVFileError(f"{path}: layer{i} tables are inconsistent with its pages.")
-        plans.append((tier32.to(torch.int8), live, length))
-    # every check passed: replace the content
-    cache.reset_content()
+    cache.reset()
+    for _, t in disks:
+        t.generation += 1
     pages = cache.pages
     pages.alive = data["alive"].bool()
-    pages.pad = data["pad"].clamp(min=0)
+    pages.pad = data["pad"].clone()
     pages.sequences_changed()
     for layer, (tier, live, length) in enumerate(plans):
         st = pages.layers[layer]
         st.length = length
         st.evicted = data[f"layer{layer}.evicted"].bool()
         cache.importance.of(layer).copy_(data[f"layer{layer}.mass"])
-        cache.mover.write(layer, live[:, 0], live[:, 1], tier[live[:, 0], live[:, 1]],
-                          data[f"layer{layer}.pages"])
+        where = tier[live[:, 0], live[:, 1]]
+        for ti, t in enumerate(cache.tiers):
+            sel = (where == ti).nonzero().flatten()
+            t.clear(layer)
+            slots = t.alloc(layer, len(sel))  # 0..n-1: the slots the disk pages were written to
+            if t.is_memory and len(sel):
+                t.write(layer, slots, data[f"layer{layer}.pages"][sel], [])
+            st.tier[live[sel, 0], live[sel, 1]] = ti
+            st.slot[live[sel, 0], live[sel, 1]] = torch.tensor(slots, dtype=torch.int32)
+        st.edited()
         cache.refresh_metadata(layer)
+
+
+def _layer_plan(cache, path, data, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Layer ``i``'s tables checked for consistency: ``(tier [B, mp] int8, live [n, 2],
+    length)``. Raises :class:`KVFileError` naming the fault."""
+    p, mp, n_tiers = cache.page_size, cache.max_pages, len(cache.tiers)
+    tier32, evicted = data[f"layer{i}.tier"], data[f"layer{i}.evicted"]
+    length = int(data[f"layer{i}.length"][0])
+    alive = data["alive"].bool()
+
+    def bad(what: str) -> KVFileError:
+        return KVFileError(f"{path}: layer{i} tables are inconsistent ({what}); nothing was "
+                           "loaded.")
+
+    if not 0 <= length <= mp * p:
+        raise bad(f"length {length} outside 0..{mp * p}")
+    if ((tier32 < NONE) | (tier32 >= n_tiers)).any():
+        raise bad(f"a tier index outside -1..{n_tiers - 1}")
+    if (evicted > 1).any():
+        raise bad("evicted flags other than 0/1")
+    live = tier32 != NONE
+    n_pages = -(-length // p)
+    if live[:, n_pages:].any() or evicted[:, n_pages:].any():
+        raise bad(f"pages past the length ({length} tokens = {n_pages} pages)")
+    if (live & evicted.bool()).any():
+        raise bad("a page both live and evicted")
+    if live[~alive].any():
+        raise bad("a freed sequence holds pages")
+    if (live[alive, :n_pages] == evicted.bool()[alive, :n_pages]).any():
+        raise bad("a page of a live sequence neither stored nor evicted")
+    if int(live.sum()) != data[f"layer{i}.pages"].shape[0]:
+        raise bad(f"{int(live.sum())} live pages in the tables, "
+                  f"{data[f'layer{i}.pages'].shape[0]} stored")
+    if not torch.isfinite(data[f"layer{i}.mass"]).all():
+        raise bad("a non-finite importance")
+    return tier32.to(torch.int8), live.nonzero(), length
+
+
+def _check_sequences(cache, path, data) -> None:
+    alive, pad = data["alive"], data["pad"]
+    if (alive > 1).any():
+        raise KVFileError(f"{path}: alive flags other than 0/1; nothing was loaded.")
+    limit = cache.max_pages * cache.page_size
+    if ((pad < 0) | (pad > limit)).any():
+        raise KVFileError(f"{path}: padding {pad.tolist()} outside 0..{limit} tokens; nothing "
+                          "was loaded.")

@@ -98,6 +98,11 @@ class Tier(ABC):
     def release(self, layer: int, slots: list[int]) -> None:
         self._free[layer].extend(reversed(slots))
 
+    def clear(self, layer: int) -> None:
+        """Mark every slot of ``layer`` free, in the order of a new tier (``alloc(layer, n)``
+        then returns ``0..n-1``); for a layer whose slots were all released."""
+        self._free[layer] = list(range(self.capacity - 1, -1, -1))
+
     @abstractmethod
     def read(self, layer: int, slots: list[int], token_starts: list[int]) -> torch.Tensor:
         """``[n, *page_shape]`` copies of the pages (validated for the disk tier)."""
@@ -183,26 +188,46 @@ class DiskTier(Tier):
                  dtype: torch.dtype, directory: str | Path, fingerprint: str) -> None:
         super().__init__("disk", num_layers, capacity, page_shape, dtype)
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise TierConfigError(f"tiers: the disk tier's path {self.directory} is a file; "
+                                  "give a folder (it is created if missing).")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TierConfigError(f"tiers: cannot create the disk tier's folder "
+                                  f"{self.directory} ({e}); give a writable folder.") from e
         self.fingerprint = fingerprint
+        #: files of a generation never collide with another's (a load writes the next one
+        #: before the old content is released)
+        self.generation = 0
         self._max_bytes = self.page_bytes + (1 << 16)
 
-    def _key(self, layer: int, slot: int) -> str:
-        return f"{self.fingerprint}/layer{layer}/slot{slot}"
+    def _key(self, layer: int, slot: int, generation: int | None = None) -> str:
+        gen = self.generation if generation is None else generation
+        return f"{self.fingerprint}/g{gen}/layer{layer}/slot{slot}"
 
     def _meta(self, layer: int, slot: int, token_start: int) -> dict[str, str]:
         return {"kind": "page", "fingerprint": self.fingerprint,
                 "page_size": str(self.page_shape[1]), "layer": str(layer), "slot": str(slot),
                 "token_start": str(token_start)}
 
-    def path(self, layer: int, slot: int) -> Path:
-        return self.directory / kv_file_name(self._key(layer, slot))
+    def path(self, layer: int, slot: int, generation: int | None = None) -> Path:
+        return self.directory / kv_file_name(self._key(layer, slot, generation))
 
-    def write(self, layer, slots, pages, token_starts):
+    def write(self, layer, slots, pages, token_starts, *, generation: int | None = None):
+        """Store the pages, one atomic file each; if one fails (disk full, an I/O error, an
+        interrupt), the files this call wrote are deleted before the error propagates."""
         pages = pages.detach().to("cpu")
-        for i, (slot, start) in enumerate(zip(slots, token_starts)):
-            write_kv_file(self.directory, self._key(layer, slot), {"kv": pages[i]},
-                          self._meta(layer, slot, start))
+        started = []  # the slots are fresh: any file under their names is this call's
+        try:
+            for i, (slot, start) in enumerate(zip(slots, token_starts)):
+                started.append(slot)
+                write_kv_file(self.directory, self._key(layer, slot, generation),
+                              {"kv": pages[i]}, self._meta(layer, slot, start))
+        except BaseException:
+            for slot in started:  # a failure after the rename (the folder's fsync) included
+                self.path(layer, slot, generation).unlink(missing_ok=True)
+            raise
 
     def read(self, layer, slots, token_starts):
         out = torch.empty((len(slots), *self.page_shape), dtype=self.dtype)
@@ -218,7 +243,7 @@ class DiskTier(Tier):
         for slot in slots:
             try:
                 self.path(layer, slot).unlink()
-            except FileNotFoundError:
+            except OSError:  # a file left behind is never read: its slot is rewritten whole
                 pass
         super().release(layer, slots)
 
