@@ -6,6 +6,7 @@
     tierattn eval reasoning --model DIR --data F.jsonl  the same on any HF checkpoint + JSONL
     tierattn eval fidelity [--out-root DIR]    SmolLM2-135M: KL, top-1, perplexity, passkey
     tierattn bench [--smoke] [--out-root DIR]  data movement per token vs whole-layer offload
+    tierattn models [--types T,...]            every causal-LM type of transformers, patched
     tierattn autotune --kernel decode|score|prefill|copy   tune a kernel on this GPU
     tierattn info                              versions, device, backend, interpreter mode
 """
@@ -16,6 +17,117 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """A command-line mistake: printed as one line naming the flag and the fix, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit status 2), without the usage."""
+
+    def error(self, message: str) -> None:  # noqa: D401 - argparse's hook
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}, got {v}")
+        return v
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def _float_in(lo: float, hi: float, *, lo_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not ((lo < v if lo_open else lo <= v) and v <= hi):
+            side = "(" if lo_open else "["
+            raise argparse.ArgumentTypeError(f"must lie in {side}{lo}, {hi}], got {v}")
+        return v
+    parse.__name__ = "number"
+    return parse
+
+
+def _budget(text: str) -> int | float:
+    """Tokens when the text is an integer (>= 0), a fraction in [0, 1] otherwise."""
+    if any(c in text for c in ".eE"):
+        return _float_in(0.0, 1.0)(text)
+    return _int_at_least(0)(text)
+
+
+def _list(item):
+    def parse(text: str) -> tuple:
+        parts = [p for p in text.split(",") if p.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError("must be a comma-separated list, got nothing")
+        return tuple(item(p.strip()) for p in parts)
+    parse.__name__ = "list"
+    return parse
+
+
+_floats = _list(_float_in(0.0, 1.0, lo_open=True))  # HBM ratios / hot budgets: (0, 1]
+_ints = _list(_int_at_least(1))
+
+
+def _choices(allowed: tuple[str, ...]):
+    def parse(text: str) -> tuple[str, ...]:
+        got = tuple(p.strip() for p in text.split(",") if p.strip())
+        bad = [g for g in got if g not in allowed]
+        if bad or not got:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad) or 'nothing'} not among "
+                                             f"{','.join(allowed)}")
+        return got
+    parse.__name__ = "list"
+    return parse
+
+
+def _device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, available on this machine."""
+    import torch
+
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and
+                                                                          index):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has no CUDA device; use cpu")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{text}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return text
+
+
+def _out_file(text: str) -> str:
+    """A file to write: its folder must exist (nothing is created silently)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name in it")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder {path.parent} does not exist; create it "
+                                         "first or write elsewhere")
+    return text
+
+
+def _existing(kind: str):
+    def parse(text: str) -> str:
+        path = Path(text)
+        ok = path.is_dir() if kind == "folder" else path.is_file()
+        if not ok:
+            raise argparse.ArgumentTypeError(f"no {kind} {text}")
+        return text
+    parse.__name__ = kind
+    return parse
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -52,15 +164,6 @@ def _cmd_loop(args: argparse.Namespace) -> int:
     return 0
 
 
-def _budget(text: str) -> int | float:
-    """Tokens when the text is an integer, a fraction otherwise."""
-    return float(text) if any(c in text for c in ".e") else int(text)
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(","))
-
-
 def _cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
@@ -76,9 +179,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.data:
         from tierattn.eval.qa import run_qa, summary
 
-        if not args.model:
-            raise SystemExit("tierattn eval reasoning: --data needs --model (a local Hugging "
-                             "Face checkpoint folder).")
         print(summary(run_qa(args.model, args.data, budgets=args.budgets or (0.25, 0.5),
                              n=args.n, max_new_tokens=args.max_new_tokens,
                              page_size=args.page_size, backend=args.backend, seed=args.seed or 0,
@@ -91,10 +191,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                          **({"seed": args.seed} if args.seed is not None else {}))
     print(summary(run_reasoning(spec, model_dir=args.model, out_root=args.out_root)))
     return 0
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -129,6 +225,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                        hardware_files=tuple(args.hardware or ()))
     print(summary(result))
     return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    import transformers
+
+    from tierattn.eval.anymodel import causal_lm_types, summary_markdown, survey, write_table
+
+    known = causal_lm_types()
+    bad = [t for t in args.types or () if t not in known]
+    if bad:
+        raise UsageError(f"--types: {', '.join(bad)} not among transformers' causal-LM types "
+                         f"(e.g. {', '.join(known[:3])})")
+    out = Path(args.out_root) / f"models-transformers-{transformers.__version__}"
+    rows = survey(list(args.types) if args.types else None)
+    for path in write_table(rows, out):
+        print(path)
+    print(summary_markdown(rows))
+    return 1 if any(r.status in ("differs", "failed") for r in rows) else 0
 
 
 def _cmd_autotune(args: argparse.Namespace) -> int:
@@ -167,20 +281,24 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierattn", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="tierattn", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="kernel demo: evict vs offload at one HBM budget")
-    demo.add_argument("--context", type=int, default=1024, help="tokens of context (default 1024)")
-    demo.add_argument("--page-size", type=int, default=16)
-    demo.add_argument("--hot-fraction", type=float, default=0.25,
-                      help="fraction of pages resident in HBM (default 0.25)")
-    demo.add_argument("--recall-fraction", type=float, default=0.10,
+    demo.add_argument("--context", type=_int_at_least(1), default=1024,
+                      help="tokens of context, a multiple of --page-size, at least 16 pages "
+                           "(default 1024)")
+    demo.add_argument("--page-size", type=_int_at_least(1), default=16)
+    demo.add_argument("--hot-fraction", type=_float_in(0.0, 1.0, lo_open=True), default=0.25,
+                      help="fraction of pages resident in HBM, in (0, 1] (default 0.25)")
+    demo.add_argument("--recall-fraction", type=_float_in(0.0, 1.0, lo_open=True), default=0.10,
                       help="fraction of pages top-k recall may bring back (default 0.10)")
     demo.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    demo.add_argument("--device", type=_device, default=None,
+                      help="cuda or cpu (default: cuda if available)")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    demo.add_argument("--out", type=_out_file, default=None,
+                      help="also write the results as JSON to this file")
     demo.add_argument("--no-interpret", dest="interpret", action="store_false",
                       help="on CPU, use the torch reference backend instead of the Triton "
                            "interpreter")
@@ -191,22 +309,26 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--preset", default="offload",
                       choices=("dense", "offload", "topk", "evict-h2o", "evict-streaming",
                                "evict-snapkv"))
-    loop.add_argument("--layers", type=int, default=32)
-    loop.add_argument("--q-heads", type=int, default=32)
-    loop.add_argument("--kv-heads", type=int, default=8)
-    loop.add_argument("--head-dim", type=int, default=128)
-    loop.add_argument("--batch", type=int, default=1)
-    loop.add_argument("--prompt", type=int, default=1024, help="prompt tokens (default 1024)")
-    loop.add_argument("--steps", type=int, default=16, help="decoded tokens (default 16)")
-    loop.add_argument("--page-size", type=int, default=16)
+    loop.add_argument("--layers", type=_int_at_least(1), default=32)
+    loop.add_argument("--q-heads", type=_int_at_least(1), default=32,
+                      help="query heads, a multiple of --kv-heads (default 32)")
+    loop.add_argument("--kv-heads", type=_int_at_least(1), default=8)
+    loop.add_argument("--head-dim", type=_int_at_least(1), default=128)
+    loop.add_argument("--batch", type=_int_at_least(1), default=1)
+    loop.add_argument("--prompt", type=_int_at_least(0), default=1024,
+                      help="prompt tokens (default 1024)")
+    loop.add_argument("--steps", type=_int_at_least(0), default=16,
+                      help="decoded tokens (default 16)")
+    loop.add_argument("--page-size", type=_int_at_least(1), default=16)
     loop.add_argument("--hot-budget", type=_budget, default=None,
                       help="tokens (int) or fraction (float) kept in HBM; default: the preset's")
     loop.add_argument("--evict-budget", type=_budget, default=None)
     loop.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    loop.add_argument("--device", default=None)
+    loop.add_argument("--device", type=_device, default=None)
     loop.add_argument("--backend", choices=("auto", "triton", "torch"), default="torch",
                       help="kernel backend (default torch: the interpreter is slow on long loops)")
-    loop.add_argument("--out", default=None, help="also write config + stats as JSON")
+    loop.add_argument("--out", type=_out_file, default=None,
+                      help="also write config + stats as JSON")
     loop.add_argument("--no-interpret", dest="interpret", action="store_false")
     loop.set_defaults(func=_cmd_loop)
 
@@ -214,21 +336,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "HBM budget")
     ev.add_argument("what", choices=("reasoning", "fidelity"),
                     help="reasoning: the tiny reasoner (or --model/--data); fidelity: SmolLM2")
-    ev.add_argument("--model", default=None,
+    ev.add_argument("--model", type=_existing("folder"), default=None,
                     help="reasoning: a trained reasoner folder (default: the shipped one), or "
                          "a Hugging Face checkpoint folder with --data")
-    ev.add_argument("--data", default=None, help="JSONL of question/answer pairs (GSM8K style)")
-    ev.add_argument("--n", type=int, default=None,
+    ev.add_argument("--data", type=_existing("file"), default=None,
+                    help="JSONL of question/answer pairs (GSM8K style)")
+    ev.add_argument("--n", type=_int_at_least(1), default=None,
                     help="items per task (reasoning default 200; --data default: all)")
     ev.add_argument("--budgets", type=_floats, default=None,
                     help="comma-separated HBM ratios (reasoning default 0.25,0.5,0.75)")
-    ev.add_argument("--segments", type=int, default=8, help="fidelity: text segments")
-    ev.add_argument("--max-new-tokens", type=int, default=256, help="--data: generation length")
-    ev.add_argument("--page-size", type=int, default=16)
+    ev.add_argument("--segments", type=_int_at_least(1), default=8,
+                    help="fidelity: text segments")
+    ev.add_argument("--max-new-tokens", type=_int_at_least(1), default=256,
+                    help="--data: generation length")
+    ev.add_argument("--page-size", type=_int_at_least(1), default=16)
     ev.add_argument("--seed", type=int, default=None)
     ev.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                     help="kernel backend (auto: Triton on CUDA, the torch reference on CPU)")
-    ev.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ev.add_argument("--threads", type=_int_at_least(1), default=None, help="torch CPU threads")
     ev.add_argument("--out-root", default="results",
                     help="results go to a new folder under this one (default ./results)")
     ev.set_defaults(func=_cmd_eval)
@@ -246,32 +371,46 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated context lengths (default 4096,32768,131072)")
     bench.add_argument("--budgets", type=_floats, default=None,
                        help="comma-separated hot budgets (default 1.0,0.5,0.25,0.1)")
-    bench.add_argument("--modes", type=lambda t: tuple(t.split(",")), default=None,
+    bench.add_argument("--modes", type=_choices(("offload", "topk", "topk-sync")), default=None,
                        help="offload,topk,topk-sync (default all three)")
-    bench.add_argument("--layers", type=int, default=None, help="layers simulated (default 2)")
-    bench.add_argument("--steps", type=int, default=None, help="decode steps counted")
-    bench.add_argument("--batch", type=int, default=None)
-    bench.add_argument("--recall", type=float, default=None, help="topk recall budget (0.1)")
-    bench.add_argument("--query-rho", type=float, default=None,
+    bench.add_argument("--layers", type=_int_at_least(1), default=None,
+                       help="layers simulated (default 2)")
+    bench.add_argument("--steps", type=_int_at_least(1), default=None,
+                       help="decode steps counted")
+    bench.add_argument("--batch", type=_int_at_least(1), default=None)
+    bench.add_argument("--recall", type=_float_in(0.0, 1.0, lo_open=True), default=None,
+                       help="topk recall budget (0.1)")
+    bench.add_argument("--query-rho", type=_float_in(0.0, 1.0), default=None,
                        help="correlation of consecutive decode queries (default 0.9)")
     bench.add_argument("--seed", type=int, default=None)
-    bench.add_argument("--hardware", action="append", default=None, metavar="FILE",
+    bench.add_argument("--hardware", action="append", type=_existing("file"), default=None,
+                       metavar="FILE",
                        help="an extra hardware profile JSON to model with (e.g. the "
                             "hardware-measured.json of a GPU check); repeatable")
     bench.add_argument("--no-host-cost", action="store_true",
                        help="skip the tiny reasoner's decode-step timing against sdpa")
-    bench.add_argument("--device", default=None)
-    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    bench.add_argument("--device", type=_device, default=None)
+    bench.add_argument("--threads", type=_int_at_least(1), default=None,
+                       help="torch CPU threads")
     bench.add_argument("--out-root", default="results",
                        help="results go to a new folder under this one (default ./results)")
     bench.set_defaults(func=_cmd_bench)
 
+    models = sub.add_parser("models", help="every causal-LM type of the installed transformers "
+                            "as a tiny random model: exact offload vs the model's own attention "
+                            "(identical / refused with its structural reason / failed)")
+    models.add_argument("--types", type=_list(str), default=None,
+                        help="comma-separated model types (default: every one)")
+    models.add_argument("--out-root", default="results",
+                        help="results go to models-transformers-VERSION under this folder")
+    models.set_defaults(func=_cmd_models)
+
     tune = sub.add_parser("autotune", help="sweep a kernel's config space on this GPU and save "
                           "the winners for it (needs CUDA)")
     tune.add_argument("--kernel", required=True, choices=("decode", "score", "prefill", "copy"))
-    tune.add_argument("--out", default=None,
+    tune.add_argument("--out", type=_out_file, default=None,
                       help="JSON to write/merge (default: the package's file for this GPU)")
-    tune.add_argument("--seconds", type=float, default=None,
+    tune.add_argument("--seconds", type=_float_in(0.0, 1e9, lo_open=True), default=None,
                       help="stop the sweep after this many seconds (keeps the best so far)")
     tune.set_defaults(func=_cmd_autotune)
 
@@ -280,9 +419,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check(args: argparse.Namespace) -> None:
+    """What argparse cannot check flag by flag (raises :class:`UsageError`)."""
+    if args.command == "demo":
+        if args.context % args.page_size or args.context // args.page_size < 16:
+            raise UsageError(f"--context {args.context} must be a multiple of --page-size "
+                             f"{args.page_size} and at least 16 pages (e.g. --context "
+                             f"{16 * args.page_size})")
+    if args.command == "loop" and args.q_heads % args.kv_heads:
+        raise UsageError(f"--q-heads {args.q_heads} must be a multiple of --kv-heads "
+                         f"{args.kv_heads} (each KV head serves a group of query heads)")
+    if args.command == "eval" and args.data and not args.model:
+        raise UsageError("--data needs --model (a local Hugging Face checkpoint folder)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run one command; a user error is one line on stderr and exit status 2."""
+    from tierattn.errors import TierAttnError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _check(args)
+        return args.func(args)
+    except (UsageError, TierAttnError) as e:
+        print(f"tierattn {args.command}: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

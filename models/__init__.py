@@ -7,7 +7,8 @@ from __future__ import annotations
 _LAZY = {
     "patch": "tierattn.models.patch",
     "PatchHandle": "tierattn.models.patch",
-    "SUPPORTED_MODEL_TYPES": "tierattn.models.patch",
+    "check_model": "tierattn.models.support",
+    "unsupported_reason": "tierattn.models.support",
     "tiered_attention": "tierattn.models.patch",
     "TieredCache": "tierattn.models.cache",
 }

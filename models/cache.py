@@ -16,6 +16,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tierattn.cache import TieredKVCache
 from tierattn.config import TierConfig
+from tierattn.errors import KernelInputError, TierConfigError, UnsupportedModelError
+from tierattn.models.support import layer_kinds
 
 __all__ = ["CACHE_KWARG", "TieredCache"]
 
@@ -40,10 +42,26 @@ class _TieredLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
+        owner = self.owner
+        if owner.pending_layer is not None:  # the first-call guard, before anything is stored
+            raise UnsupportedModelError(
+                f"tierattn: layer {owner.pending_layer} stored its K/V in the tiered cache but "
+                "its attention did not run through tierattn (a module that computes attention "
+                "itself); this model cannot be served.")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.owner.runtime.update(self.layer_idx, key_states, value_states)
-        self.owner.pending_layer = self.layer_idx  # the attention call that follows may read it
+        else:
+            owner._start(key_states)  # checks the batch of a reused cache
+        rt = owner.runtime
+        if key_states.shape[-1] != value_states.shape[-1] or \
+                key_states.shape[1] != rt.num_kv_heads or key_states.shape[-1] != rt.head_dim:
+            raise UnsupportedModelError(
+                f"tierattn: layer {self.layer_idx} has K {list(key_states.shape)} and V "
+                f"{list(value_states.shape)}; the cache holds {rt.num_kv_heads} KV heads of dim "
+                f"{rt.head_dim} for K and V in every layer (the first layer's geometry).")
+        rt.update(self.layer_idx, key_states, value_states)
+        owner.pending_layer = self.layer_idx  # the attention call that follows reads it
+        owner.last_kv = (key_states, value_states)  # what that call must be given
         attn_kwargs = kwargs.get("kwargs")
         if isinstance(attn_kwargs, dict):
             attn_kwargs[CACHE_KWARG] = self.owner
@@ -101,6 +119,14 @@ class TieredCache(Cache):
     """
 
     def __init__(self, model_config, config: TierConfig | None = None) -> None:
+        if config is not None and not isinstance(config, TierConfig):
+            raise TierConfigError(
+                f"TieredCache: config must be a TierConfig, got {type(config).__name__}; build "
+                "one with TierConfig(...) or TierConfig.preset('offload', ...).")
+        if not hasattr(model_config, "num_hidden_layers") and \
+                not hasattr(model_config, "get_text_config"):
+            raise KernelInputError(f"TieredCache: model_config must be the model's config "
+                                   f"(model.config), got {type(model_config).__name__}.")
         text = model_config.get_text_config() if hasattr(model_config, "get_text_config") \
             else model_config
         self.model_config = text
@@ -112,18 +138,51 @@ class TieredCache(Cache):
             text.hidden_size // text.num_attention_heads
         self.runtime: TieredKVCache | None = None
         self.pending_layer: int | None = None  # updated, not yet attended
+        self.last_kv: tuple | None = None  # the K/V update returned to that layer
+        #: per layer, the sliding window transformers' own cache would keep (None: full)
+        self.windows = [w for _, w in layer_kinds(text)]
         self._mask_seen: torch.Tensor | None = None  # the mask checked last (once per step)
         self._mask_bad: torch.Tensor | None = None  # device flag: a decode mask was wrong
         self._pad_of: torch.Tensor | None = None  # the runtime padding _pad was made from
         super().__init__(layers=[_TieredLayer(self, i) for i in range(self.num_layers)])
 
     def _start(self, key_states: torch.Tensor) -> None:
+        """Build the runtime on the first K/V: its geometry is the tensors' (a config's
+        ``head_dim`` is not always the K/V head dim, e.g. with MLA)."""
         if self.runtime is None:
+            self.num_kv_heads, self.head_dim = key_states.shape[1], key_states.shape[-1]
             self.runtime = TieredKVCache(
                 self.tier_config, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim, batch_size=key_states.shape[0],
                 dtype=key_states.dtype, device=key_states.device,
                 fingerprint=f"{self.model_config.model_type}")
+        elif key_states.shape[0] != self.runtime.batch_size:
+            raise KernelInputError(
+                f"TieredCache holds {self.runtime.batch_size} sequences; this forward has "
+                f"{key_states.shape[0]}: use a new TieredCache for another batch.")
+
+    def check_for(self, model_config, batch_size: int | None) -> None:
+        """Refuse, before ``generate`` runs the model, a cache made for another model's layers
+        or holding another batch size."""
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") \
+            else model_config
+        if text.num_hidden_layers != self.num_layers:
+            raise KernelInputError(
+                f"cache: this TieredCache was made for {self.num_layers} layers; the model has "
+                f"{text.num_hidden_layers}. Make it with TieredCache(model.config, config).")
+        keys = ("model_type", "num_attention_heads", "num_key_value_heads", "hidden_size")
+        mine = {k: getattr(self.model_config, k, None) for k in keys}
+        theirs = {k: getattr(text, k, None) for k in keys}
+        if mine != theirs:
+            raise KernelInputError(
+                f"cache: this TieredCache was made for another model ({mine}; this model: "
+                f"{theirs}); make it with TieredCache(model.config, config).")
+        if self.runtime is not None and batch_size is not None and \
+                batch_size != self.runtime.batch_size:
+            raise KernelInputError(
+                f"cache: this TieredCache holds {self.runtime.batch_size} sequences; generate "
+                f"got {batch_size}. Use a new TieredCache for another batch.")
+        self.pending_layer = None
 
     def check_decode_mask(self, mask: torch.Tensor) -> None:
         """Check a decode step's ``[B, kv_len]`` padding mask against the runtime's left

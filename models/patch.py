@@ -8,10 +8,12 @@ attention kwargs. ``patch`` switches the model's attention implementation to ``"
 gives ``generate`` a tiered cache when the caller passes none; the returned handle undoes both.
 Nothing happens at import time.
 
-Supported here: decoder-only models whose attention layers are full or sliding-window
-attention (no KV sharing, no linear-attention or chunked layers): sliding windows (pages that
-left a layer's window are dropped, as HF's sliding caches do; the window stays hot), logit
-softcap (Gemma 2), attention sinks (GPT-OSS), batches with left padding (the padded tokens are
+Which models: any decoder-only causal LM whose structure fits (:mod:`.support` decides from the
+config and modules, never from a name): attention through transformers' attention interface,
+every layer full or sliding-window attention over its own K/V. What differs between families --
+sliding windows (pages that left a layer's window are dropped, as HF's sliding caches do; the
+window stays hot), logit softcap, attention sinks, scaling -- reaches the attention function
+through its kwargs, so a family needs no code. Batches with left padding (the padded tokens are
 stored but never attended), greedy and sampling. Everything else raises a clear error rather
 than produce different output.
 """
@@ -27,17 +29,13 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from tierattn.config import TierConfig
+from tierattn.errors import TierConfigError, UnsupportedModelError
 from tierattn.models.cache import CACHE_KWARG, CURRENT, TieredCache
+from tierattn.models.support import check_model
 
-__all__ = ["ATTN_NAME", "PatchHandle", "SUPPORTED_MODEL_TYPES", "patch", "tiered_attention"]
+__all__ = ["ATTN_NAME", "PatchHandle", "patch", "tiered_attention"]
 
 ATTN_NAME = "tierattn"
-
-#: model families served by this route. What differs between them (softcap, sliding windows,
-#: attention sinks) reaches the attention function through its kwargs, so a family needs no code.
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma2", "gemma3_text",
-    "olmo2", "cohere2", "gpt_oss"})
 
 
 def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -54,11 +52,13 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         ``([B, T, H_q, D], None)``.
     """
     cache = kwargs.get(CACHE_KWARG) or CURRENT.get()
-    if not isinstance(cache, TieredCache) or cache.runtime is None or \
-            cache.pending_layer != module.layer_idx:
+    CURRENT.set(None)  # consumed: an attention call with no update before it finds no cache
+    if not isinstance(cache, TieredCache) or cache.runtime is None:
         raise RuntimeError(
             "tierattn: the patched model ran attention without its TieredCache (plain forward "
             "without a cache?). Call generate(), or pass cache=TieredCache(model.config, config).")
+    layer = cache.pending_layer  # the cache layer the module stored its K/V in
+    _first_call_guard(module, cache, layer, key, value, attention_mask, kwargs)
     if attention_mask is not None:
         if query.shape[2] == 1:  # a decode step: checked on the device, once per step
             cache.check_decode_mask(attention_mask)
@@ -67,11 +67,37 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     cache.pending_layer = None
     if dropout:
         raise NotImplementedError("tierattn: attention dropout is not supported (inference only).")
-    out = cache.runtime.attend(module.layer_idx, query, sm_scale=scaling,
+    out = cache.runtime.attend(layer, query, sm_scale=scaling,
                                softcap=kwargs.get("softcap"),
                                sliding_window=kwargs.get("sliding_window"),
                                sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _first_call_guard(module, cache: TieredCache, layer: int | None, key, value, mask,
+                      kwargs: dict) -> None:
+    """Refuse a module whose attention is not "the new queries over the K/V it just stored,
+    as stored": what the structural checks at patch time cannot see. Cheap (identity and
+    shape checks), so it runs on every call."""
+    where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
+    if layer is None:
+        raise UnsupportedModelError(
+            f"tierattn: {where} ran attention twice, or without storing its K/V first; the "
+            "tiered cache serves one attention call over each layer's stored K/V.")
+    if key is not cache.last_kv[0] or value is not cache.last_kv[1]:
+        raise UnsupportedModelError(
+            f"tierattn: {where} changes its K/V between storing them and attending (e.g. "
+            "splits or mixes V); the tiered cache attends the K/V as stored.")
+    if mask is not None and mask.dim() != 2:
+        raise UnsupportedModelError(
+            f"tierattn: {where} attends with a {mask.dim()}-D mask it built itself (a "
+            "dynamic or learned mask); the tiered cache serves padding masks only.")
+    window = cache.windows[layer] if layer < len(cache.windows) else None
+    if window is not None and kwargs.get("sliding_window") is None:
+        raise UnsupportedModelError(
+            f"tierattn: {where} is a sliding-window layer for transformers' cache (which keeps "
+            f"its last {window - 1} tokens) but the model passes no window to attention: its "
+            "output depends on that cache's cropping, which the tiered cache does not copy.")
 
 
 def _left_padding(cache: TieredCache, mask: torch.Tensor) -> None:
@@ -108,19 +134,13 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTN_NAME, flash_attention_mask)
 
 
-def _check_supported(model, config: TierConfig) -> None:
-    text = model.config.get_text_config()
-    kind = text.model_type
-    if kind not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(
-            f"tierattn.patch: model_type {kind!r} is not supported yet; supported: "
-            f"{sorted(SUPPORTED_MODEL_TYPES)}.")
-    if getattr(text, "num_kv_shared_layers", 0):
-        raise NotImplementedError("tierattn.patch: KV-sharing layers are not supported.")
-    layer_types = getattr(text, "layer_types", None) or []
-    odd = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    if odd:
-        raise NotImplementedError(f"tierattn.patch: layer types {odd} are not supported.")
+def _batch_size(args: tuple, kwargs: dict) -> int | None:
+    """The batch of a ``generate`` call (None when it cannot be told from the arguments)."""
+    for x in (args[0] if args else None, kwargs.get("input_ids"), kwargs.get("inputs"),
+              kwargs.get("inputs_embeds")):
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            return x.shape[0]
+    return None
 
 
 class PatchHandle:
@@ -163,6 +183,8 @@ class PatchHandle:
             if cache is None:
                 cache = kwargs[self._cache_arg] = TieredCache(self.model.config, self.config)
             self.cache = cache if isinstance(cache, TieredCache) else None
+            if self.cache is not None:
+                self.cache.check_for(self.model.config, _batch_size(args, kwargs))
             out = original(*args, **kwargs)
             self._guard()
             return out
@@ -209,11 +231,20 @@ def patch(model, config: TierConfig | None = None, *,
     ``config`` by unpatching first.
 
     Args:
-        model: a Hugging Face causal LM.
+        model: a Hugging Face causal LM (any family whose structure fits, see
+            :mod:`tierattn.models.support`; else :class:`UnsupportedModelError` names the
+            layer and the reason).
         config: the :class:`~tierattn.config.TierConfig` (default: the ``offload`` preset).
         cuda_graphs: overrides ``config.cuda_graphs`` (each layer's decode step captured in a
             CUDA graph and replayed; needs the model on a CUDA device).
     """
+    if config is not None and not isinstance(config, TierConfig):
+        raise TierConfigError(
+            f"tierattn.patch: config must be a TierConfig, got {type(config).__name__}; build "
+            "one with TierConfig(...) or TierConfig.preset('offload', ...).")
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise TierConfigError(f"tierattn.patch: cuda_graphs must be True, False or None, got "
+                              f"{cuda_graphs!r}.")
     config = config or TierConfig.preset("offload")
     if cuda_graphs is not None:
         config = config.replace(cuda_graphs=cuda_graphs)
@@ -223,7 +254,7 @@ def patch(model, config: TierConfig | None = None, *,
             raise ValueError("tierattn.patch: the model is already patched with another "
                              "config; call handle.unpatch() first.")
         return existing
-    _check_supported(model, config)
+    check_model(model)
     handle = PatchHandle(model, copy.deepcopy(config))
     handle._apply()
     return handle

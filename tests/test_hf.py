@@ -1,6 +1,8 @@
-"""Hugging Face integration (first slice): exact-mode generation equals the reference attention
-on every supported family, patch/unpatch/idempotence, the explicit-cache routes, the
-silent-fallback guard, and clear refusals for what the tiered path does not serve yet."""
+"""Hugging Face integration: exact-mode generation equals the reference attention on the families
+whose attention differs in a way the route must carry (sliding windows, softcap, sinks, MoE,
+GQA), patch/unpatch/idempotence, the explicit-cache routes, the silent-fallback guard, typed
+errors for bad arguments, and structural refusals naming the layer. Every other causal-LM type
+of transformers is tried in ``test_any_model.py``."""
 
 from __future__ import annotations
 
@@ -13,8 +15,13 @@ pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import tierattn  # noqa: E402
-from tierattn.models import SUPPORTED_MODEL_TYPES, TieredCache  # noqa: E402
+from tierattn.errors import KernelInputError, TierConfigError, UnsupportedModelError  # noqa: E402
+from tierattn.models import TieredCache  # noqa: E402
 from tierattn.models.cache import CACHE_KWARG  # noqa: E402
+
+#: families whose attention kwargs differ (windows, softcap, sinks, scaling, MoE): the deep test
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma2",
+            "gemma3_text", "olmo2", "cohere2", "gpt_oss")
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -51,7 +58,7 @@ def generate(model, ids, **kw):
                               return_dict_in_generate=True, pad_token_id=0, **kw)
 
 
-@pytest.mark.parametrize("model_type", sorted(SUPPORTED_MODEL_TYPES))
+@pytest.mark.parametrize("model_type", FAMILIES)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_exact_mode_generation_equals_reference(model_type, batch, figures):
     """Batch 3 is left-padded by 0, 5 and 11 tokens: padding pages and the page where the
@@ -149,7 +156,8 @@ def test_guard_catches_a_silent_fallback(monkeypatch):
     with tierattn.patch(model, exact_config()):
         monkeypatch.setitem(AttentionInterface._global_mapping, "tierattn",
                             AttentionInterface._global_mapping["sdpa"])
-        with pytest.raises(RuntimeError, match="never ran"):
+        # the first-call guard: layer 0 stored K/V, layer 1 is about to, no attention ran
+        with pytest.raises(UnsupportedModelError, match="did not run through tierattn"):
             generate(model, ids)
 
 
@@ -197,17 +205,63 @@ def test_unsupported_requests_are_refused_clearly():
             generate(model, padded, attention_mask=mask)
         with pytest.raises(NotImplementedError, match="beam"):
             generate(model, padded[:1], num_beams=2)
-    with pytest.raises(NotImplementedError, match="model_type 'gpt2'"):
-        tierattn.patch(AutoModelForCausalLM.from_config(AutoConfig.for_model(
-            "gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64)), exact_config())
-    hybrid = tiny("llama")
-    hybrid.config.layer_types = ["full_attention", "linear_attention"]
-    with pytest.raises(NotImplementedError, match="layer types \\['linear_attention'\\]"):
-        tierattn.patch(hybrid, exact_config())
-    shared = tiny("llama")
-    shared.config.num_kv_shared_layers = 1
-    with pytest.raises(NotImplementedError, match="KV-sharing"):
-        tierattn.patch(shared, exact_config())
+
+
+
+@pytest.mark.parametrize("edit,match", [
+    (dict(layer_types=["full_attention", "linear_attention"]),
+     r"layer 1 is 'linear_attention': a linear-attention/recurrent layer"),
+    (dict(layer_types=["chunked_attention", "full_attention"]), r"layer 0 is 'chunked_attention'"),
+    (dict(layer_types=["full_attention", "mamba"]), r"layer 1 is 'mamba'"),
+    (dict(layer_types=["full_attention", "something_new"]),
+     r"layer 1 is 'something_new': neither full nor sliding"),
+    (dict(num_kv_shared_layers=1), r"layers 1..1 reuse the K/V of earlier layers"),
+    (dict(add_cross_attention=True), r"cross-attend"),
+    (dict(v_head_dim=8), r"K and V have different head dims \(16 and 8\)"),
+])
+def test_structural_refusals_name_the_layer_and_the_reason(edit, match):
+    model = tiny("llama")
+    for k, v in edit.items():
+        setattr(model.config, k, v)
+    with pytest.raises(UnsupportedModelError, match=match):
+        tierattn.patch(model, exact_config())
+    assert model.config._attn_implementation == "sdpa"  # refused: nothing changed
+
+
+def test_a_model_outside_any_list_is_served_and_a_bidirectional_one_refused():
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=64)).eval()
+    ids = torch.randint(3, 64, (1, 13), generator=torch.Generator().manual_seed(1))
+    ref = generate(gpt2, ids)
+    with tierattn.patch(gpt2, exact_config()):
+        assert torch.equal(generate(gpt2, ids).sequences, ref.sequences)
+    bert = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "bert", num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+        intermediate_size=32, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="layer 0 attends without a causal mask"):
+        tierattn.patch(bert, exact_config())
+
+
+def test_patch_and_cache_arguments_are_checked_at_the_call():
+    model = tiny("llama")
+    with pytest.raises(TierConfigError, match="config must be a TierConfig"):
+        tierattn.patch(model, {"hot_budget": 0.5})
+    with pytest.raises(TierConfigError, match="cuda_graphs must be"):
+        tierattn.patch(model, exact_config(), cuda_graphs="yes")
+    with pytest.raises(TierConfigError, match="config must be a TierConfig"):
+        TieredCache(model.config, {"hot_budget": 0.5})
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    three = TieredCache(tiny("llama", num_hidden_layers=3).config, exact_config())
+    with tierattn.patch(model, exact_config()):
+        with pytest.raises(KernelInputError, match="made for 3 layers; the model has 2"):
+            generate(model, ids, past_key_values=three)
+        other = TieredCache(tiny("qwen2").config, exact_config())
+        with pytest.raises(KernelInputError, match="another model"):
+            generate(model, ids, past_key_values=other)
+        cache = TieredCache(model.config, exact_config())
+        generate(model, ids, past_key_values=cache)
+        with pytest.raises(KernelInputError, match="holds 2 sequences; generate got 3"):
+            generate(model, torch.cat([ids, ids[:1]]), past_key_values=cache)
 
 
 def test_cache_kwarg_name_is_not_a_special_path_name():

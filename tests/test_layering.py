@@ -1,7 +1,7 @@
 """The package's import layering: one-way imports between its modules, lazy (function-level)
 imports included, and no cycle anywhere.
 
-    errors -> config -> kernels -> tiers/transfer (kvfile, telemetry) -> pagemap -> mover
+    errors -> config -> kernels -> tiers/transfer (kvfile, telemetry) -> pagemap/validate -> mover
     -> prefetch -> importance/policy -> attention/graphs -> snapshot -> cache -> models -> eval
 
 A module may import modules of its own layer or below; an import of a higher layer, at load
@@ -25,7 +25,7 @@ LAYERS = [
     ["tierattn.config"],
     ["tierattn.kernels"],
     ["tierattn.kvfile", "tierattn.telemetry", "tierattn.tiers", "tierattn.transfer"],
-    ["tierattn.pagemap"],
+    ["tierattn.pagemap", "tierattn.validate"],
     ["tierattn.mover"],
     ["tierattn.prefetch"],
     ["tierattn.importance", "tierattn.policy"],

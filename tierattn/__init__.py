@@ -13,6 +13,7 @@ from tierattn.errors import (
     KVIOError,
     TierAttnError,
     TierConfigError,
+    UnsupportedModelError,
 )
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ _LAZY = {
     "patch": "tierattn.models.patch",
     "PatchHandle": "tierattn.models.patch",
     "TieredCache": "tierattn.models.cache",
+    "check_model": "tierattn.models.support",
 }
 
 
@@ -57,6 +59,8 @@ __all__ = [
     "TierSpec",
     "TieredCache",
     "TieredKVCache",
+    "UnsupportedModelError",
     "__version__",
+    "check_model",
     "patch",
 ]

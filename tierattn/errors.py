@@ -6,7 +6,7 @@ This module imports nothing from the package, so every layer (kernels included) 
 from __future__ import annotations
 
 __all__ = ["KVCapacityError", "KVFileError", "KVIOError", "KernelInputError",
-           "KernelUnsupportedError", "TierAttnError", "TierConfigError"]
+           "KernelUnsupportedError", "TierAttnError", "TierConfigError", "UnsupportedModelError"]
 
 
 class TierAttnError(Exception):
@@ -36,3 +36,9 @@ class KVFileError(TierAttnError, ValueError):
 class KVIOError(TierAttnError, OSError):
     """A tier's storage failed while pages moved (disk full, an I/O error); the move was rolled
     back: the pages are where they were and no slot or file is left behind."""
+
+
+class UnsupportedModelError(TierAttnError, NotImplementedError):
+    """A model whose structure the tiered cache cannot serve (a layer that is not full or
+    sliding-window attention, KV shared across layers, cross-attention, K and V of different
+    head dims); the message names the layer and the reason."""

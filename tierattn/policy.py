@@ -390,57 +390,6 @@ class Budgets:
                 drop = cand[torch.argsort(rank[bi, cand], stable=True)[:extra]].tolist()
                 self.mover.drop(layer, bi, drop)
 
-    def check_room(self, layer: int, new_pages: int, length_after: int) -> None:
-        """Raise :class:`KVCapacityError`, before anything changes, if appending ``new_pages``
-        pages per live sequence to ``layer`` cannot be served: HBM has no slot for them even
-        after demoting every page it may demote, or the lower tiers cannot take the pages the
-        hot budget will push out after this step's attention."""
-        st, hbm = self.pages.layers[layer], self.mover.tiers[HOT]
-        alive = self.pages.alive
-        n_alive = int(alive.sum())
-        need = new_pages * n_alive
-        if not need:
-            return
-        n_now = self.pages.num_pages(layer)
-        n_after = -(-length_after // self.pages.page_size)
-        hot = ((st.tier[:, :n_now] == HOT) & alive[:, None]).sum(1)
-        lower_free = sum(t.num_free(layer) for t in self.mover.tiers[1:])
-        if self.num_tiers == 1:
-            short = need - hbm.num_free(layer)
-            if short > 0:
-                raise KVCapacityError(
-                    f"layer {layer}: the hbm tier is full ({hbm.capacity} pages, "
-                    f"{hbm.num_free(layer)} free) and {need} new pages need a slot; nothing was "
-                    "appended to any layer. Raise hbm capacity_pages or max_context, lower the "
-                    "batch, set evict_budget, or add a lower tier.")
-            return
-        # the pages the hot budget pushes out after this step, and those make_room pushes out
-        pad_pages = self.pages.pad_pages()
-        span = length_after - pad_pages * self.pages.page_size
-        must = self.sink_recent(n_after)
-        out = 0
-        for bi in alive.nonzero().flatten().tolist():
-            target = max(self.config.pages(self.config.hot_budget, n_after - int(pad_pages[bi]),
-                                           int(span[bi])), must)
-            out += max(0, int(hot[bi]) + new_pages - target)
-        if st.window is not None or self.evicts:  # pages leave by drops, not only demotions
-            out = 0
-        out = max(out, need - hbm.num_free(layer))
-        if out > lower_free or need > hbm.capacity:
-            free = {t.kind: t.num_free(layer) for t in self.mover.tiers}
-            raise KVCapacityError(
-                f"layer {layer}: appending {new_pages} page(s) per sequence needs {need} HBM "
-                f"slots and moves {out} pages to the lower tiers, which have room for "
-                f"{lower_free} (free pages per tier: {free}); nothing was appended to any layer. "
-                "Raise the tiers' capacity_pages, add a tier, set evict_budget, or free a "
-                "sequence.")
-
-    def sink_recent(self, n_pages: int) -> int:
-        """Pages of a sequence that stay hot whatever the budget: sinks, recent window, the page
-        being filled (at most ``n_pages``)."""
-        c = self.config
-        return min(n_pages, c.sink_pages + c.recent_pages + 1)
-
     def make_room(self, layer: int, need: int) -> None:
         """Demote the least important hot pages until ``need`` HBM slots are free (pages were
         moved into HBM by hand, or the budget shrank)."""
