@@ -252,9 +252,11 @@ class TieredKVCache:
         step HBM room for the pages this step starts, so a full hierarchy raises here, with
         nothing appended and every layer in step, not half-way through the step."""
         self.settle(decode=decode)
+        if not new:  # the usual decode step: no page starts
+            return
         need = new * int(self.pages.alive.sum())
         for layer in range(self.num_layers):
-            if need and self.pages.length(layer) == n0 and self.hbm.num_free(layer) < need:
+            if self.pages.length(layer) == n0 and self.hbm.num_free(layer) < need:
                 self.budgets.make_room(layer, need)
 
     def settle(self, *, decode: bool = True) -> None:
@@ -262,6 +264,8 @@ class TieredKVCache:
         :class:`KVCapacityError` or :class:`KVIOError` if one still fails (their pages stay
         in HBM, nothing else changes): free a sequence, free disk space or raise capacity,
         then call again."""
+        if not any(self._deferred):
+            return
         for layer, err in enumerate(self._deferred):
             if err is None:
                 continue
@@ -486,15 +490,3 @@ class TieredKVCache:
         self._deferred = [None] * self.num_layers
         if self.graphs is not None:
             self.graphs.reset()
-
-    def refresh_metadata(self, layer: int) -> None:
-        """Recompute the Quest metadata of every live page of ``layer`` (after a load)."""
-        st, p = self.pages.layers[layer], self.page_size
-        live = (st.tier != NONE).nonzero()
-        if not len(live):
-            return
-        rows, cols = live[:, 0], live[:, 1]
-        data = self.mover.read(layer, rows, cols).to(self.device)
-        lens = torch.clamp(st.length - cols * p, max=p).to(torch.int32)
-        self.importance.write_metadata(layer, data, torch.arange(len(live), dtype=torch.int32),
-                                       lens, rows * self.max_pages + cols)

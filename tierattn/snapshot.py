@@ -4,7 +4,10 @@ The file holds every live page (read from whichever tier it lives in), the page 
 importance and the lengths, written atomically by :mod:`tierattn.kvfile` (temp file, fsync,
 rename; safetensors only). :func:`load` validates the whole file -- format, fingerprint, geometry,
 dtypes and shapes from this cache (never from the file), checksum, and the consistency of its
-tables -- before it changes anything.
+tables (lengths vs live pages, tier indices, flags, padding, importance) -- and checks that every
+tier has room, before it changes anything; the file's disk pages are then written into the disk
+tier's next generation of files, and only when all of them landed is the old content released
+(a failure deletes what was written and leaves the old content as it was).
 """
 
 from __future__ import annotations
@@ -141,7 +144,7 @@ def load(cache, path: str | Path) -> None:
             st.tier[live[sel, 0], live[sel, 1]] = ti
             st.slot[live[sel, 0], live[sel, 1]] = torch.tensor(slots, dtype=torch.int32)
         st.edited()
-        cache.refresh_metadata(layer)
+        _refresh_metadata(cache, layer)
 
 
 def _layer_plan(cache, path, data, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -188,3 +191,16 @@ def _check_sequences(cache, path, data) -> None:
     if ((pad < 0) | (pad > limit)).any():
         raise KVFileError(f"{path}: padding {pad.tolist()} outside 0..{limit} tokens; nothing "
                           "was loaded.")
+
+
+def _refresh_metadata(cache, layer: int) -> None:
+    """Recompute the Quest metadata of every live page of ``layer`` (after a load)."""
+    st, p = cache.pages.layers[layer], cache.page_size
+    live = (st.tier != NONE).nonzero()
+    if not len(live):
+        return
+    rows, cols = live[:, 0], live[:, 1]
+    data = cache.mover.read(layer, rows, cols).to(cache.device)
+    lens = torch.clamp(st.length - cols * p, max=p).to(torch.int32)
+    cache.importance.write_metadata(layer, data, torch.arange(len(live), dtype=torch.int32),
+                                    lens, rows * cache.max_pages + cols)
