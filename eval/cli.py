@@ -280,6 +280,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the commands that write a results folder."""
+    parser.add_argument("--threads", type=_int_at_least(1), default=None,
+                        help="torch CPU threads")
+    parser.add_argument("--out-root", default="results",
+                        help="results go to a new folder under this one (default ./results)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tierattn", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -353,9 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=None)
     ev.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                     help="kernel backend (auto: Triton on CUDA, the torch reference on CPU)")
-    ev.add_argument("--threads", type=_int_at_least(1), default=None, help="torch CPU threads")
-    ev.add_argument("--out-root", default="results",
-                    help="results go to a new folder under this one (default ./results)")
+    _run_flags(ev)
     ev.set_defaults(func=_cmd_eval)
 
     bench = sub.add_parser("bench", help="exact data-movement counts per token (Llama-8B-shaped "
@@ -390,10 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-host-cost", action="store_true",
                        help="skip the tiny reasoner's decode-step timing against sdpa")
     bench.add_argument("--device", type=_device, default=None)
-    bench.add_argument("--threads", type=_int_at_least(1), default=None,
-                       help="torch CPU threads")
-    bench.add_argument("--out-root", default="results",
-                       help="results go to a new folder under this one (default ./results)")
+    _run_flags(bench)
     bench.set_defaults(func=_cmd_bench)
 
     models = sub.add_parser("models", help="every causal-LM type of the installed transformers "

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from tierattn.errors import UnsupportedModelError
 
-__all__ = ["SERVED_LAYER_TYPES", "check_model", "layer_kinds", "unsupported_reason"]
+__all__ = ["SERVED_LAYER_TYPES", "check_model", "config_reason", "layer_kinds",
+           "unsupported_reason"]
 
 #: the ``layer_types`` entries the tiered cache serves
 SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -53,33 +54,44 @@ def layer_kinds(text) -> list[tuple[str, int | None]]:
         chunk = getattr(text, "attention_chunk_size", None)
         types = ["sliding_attention" if window is not None else
                  "chunked_attention" if chunk is not None else "full_attention"] * \
-            text.num_hidden_layers
+            (getattr(text, "num_hidden_layers", None) or 0)
     return [(t, window if t == "sliding_attention" else None) for t in types]
 
 
+_PER_LAYER = object()
+
+
+def _attr(text, name: str):
+    """``text.name``, None if absent, ``_PER_LAYER`` where the config keeps it per layer (and
+    refuses a global value)."""
+    try:
+        return getattr(text, name, None)
+    except Exception as e:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        if "per-layer" in str(e):
+            return _PER_LAYER
+        raise
+
+
 def _k_v_head_dims(text) -> tuple[int | None, int | None]:
-    v = getattr(text, "v_head_dim", None)
-    k = getattr(text, "qk_head_dim", None)
-    if k is None and getattr(text, "qk_nope_head_dim", None) is not None:
-        k = text.qk_nope_head_dim + (getattr(text, "qk_rope_head_dim", 0) or 0)
+    v = _attr(text, "v_head_dim")
+    k = _attr(text, "qk_head_dim")
+    if k is None and _attr(text, "qk_nope_head_dim") is not None:
+        k = text.qk_nope_head_dim + (_attr(text, "qk_rope_head_dim") or 0)
     if k is None:
-        k = getattr(text, "head_dim", None)
+        k = _attr(text, "head_dim")
     return k, v
 
 
-def unsupported_reason(model) -> str | None:
-    """Why ``model``'s structure cannot be served (naming the layer), or None."""
-    config = model.config
+def config_reason(config) -> str | None:
+    """Why a model of this config cannot be served, from the config alone (naming the
+    layer), or None: encoder-decoder, layer types, KV sharing, cross-attention, K/V head dims."""
     text = config.get_text_config()
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model: its decoder cross-attends to the encoder's states"
-    can = getattr(model, "can_generate", None)
-    if not callable(can) or not can():
-        return "not a generative model (no generate())"
-    if not getattr(model, "_supports_attention_backend", False):
-        return ("its attention modules do not dispatch through transformers' attention "
-                "interface (_supports_attention_backend is False), so "
-                "attn_implementation='tierattn' would not reach them")
+    for name in ("head_dim", "num_key_value_heads", "num_attention_heads"):
+        if _attr(text, name) is _PER_LAYER:
+            return (f"{name} varies across layers (per-layer configs); the cache holds one K/V "
+                    "geometry for every layer")
     for i, (kind, _) in enumerate(layer_kinds(text)):
         if kind not in SERVED_LAYER_TYPES:
             why = _WHY.get(kind, "neither full nor sliding-window attention")
@@ -95,6 +107,23 @@ def unsupported_reason(model) -> str | None:
     if k is not None and v is not None and k != v:
         return (f"K and V have different head dims ({k} and {v}); a page stores both with "
                 "one head dim")
+    return None
+
+
+def unsupported_reason(model) -> str | None:
+    """Why ``model``'s structure cannot be served (naming the layer), or None: the config's
+    reasons (:func:`config_reason`), then the model's: no ``generate``, attention outside
+    transformers' interface, a module sharing K/V or attending without a causal mask."""
+    why = config_reason(model.config)
+    if why is not None:
+        return why
+    can = getattr(model, "can_generate", None)
+    if not callable(can) or not can():
+        return "not a generative model (no generate())"
+    if not getattr(model, "_supports_attention_backend", False):
+        return ("its attention modules do not dispatch through transformers' attention "
+                "interface (_supports_attention_backend is False), so "
+                "attn_implementation='tierattn' would not reach them")
     for name, module in model.named_modules():
         idx = getattr(module, "layer_idx", None)
         if idx is None:
