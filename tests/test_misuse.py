@@ -442,6 +442,12 @@ for fault, (exc, typed) in FAULTS.items():
           fault=lambda s, mp, exc=exc: fail_disk_writes(mp, exc))
     probe(f"reorder-duplicate-disk-{fault}", lambda s: s.cache.reorder([0, 0]), typed, "tiers",
           fault=lambda s, mp, exc=exc: fail_disk_writes(mp, exc, after=1))
+for fault in ("EIO", "interrupt"):
+    exc, typed = FAULTS[fault]
+    probe(f"attend-disk-read-{fault}", lambda s: s.cache.attend(0, s.q()), typed, "tiers",
+          fault=lambda s, mp, exc=exc: fail_disk_reads(mp, exc))
+    probe(f"gather-disk-read-{fault}", lambda s: s.cache.gather(0, 0), typed, "tiers",
+          fault=lambda s, mp, exc=exc: fail_disk_reads(mp, exc))
 probe("move-copy-interrupted", lambda s: s.cache.move(0, 0, page_in(s, 0, 0, (0,)), 1),
       KeyboardInterrupt, "tiers",
       fault=lambda s, mp: fail_copies(mp, s.cache, KeyboardInterrupt()))

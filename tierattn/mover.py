@@ -73,7 +73,7 @@ class Mover:
                            token_starts.tolist())
             ticket = None
         else:  # disk -> anywhere: validated reads, then one indexed write
-            data = tier.read(layer, src_slots.tolist(), token_starts.tolist())
+            data = self._read(tier, layer, src_slots.tolist(), token_starts.tolist())
             if dst_tier is not None:
                 dst_tier.write(layer, dst_slots.tolist(), data, token_starts.tolist())
             else:
@@ -81,6 +81,18 @@ class Mover:
             ticket = None
         self._count(layer, src, dst_tier, src_slots.numel())
         return ticket
+
+    @staticmethod
+    def _read(tier: Tier, layer: int, slots: list[int], token_starts: list[int]) -> torch.Tensor:
+        """``tier.read``, a storage failure raised as :class:`KVIOError` (nothing was moved)."""
+        try:
+            return tier.read(layer, slots, token_starts)
+        except OSError as e:
+            if isinstance(e, TierAttnError):
+                raise
+            raise KVIOError(e.errno, f"layer {layer}: reading pages of the {tier.kind} tier "
+                            f"failed ({e}); nothing was moved. Check the disk tier's "
+                            "storage.") from e
 
     def count_bytes(self, layer: int, src: int, n: int) -> None:
         """Count ``n`` pages moved from tier ``src`` into the device (no launch counted: a
@@ -138,7 +150,7 @@ class Mover:
     def read_into(self, layer: int, src: int, src_slots: list[int], token_starts: list[int],
                   dst_pool: torch.Tensor, dst_slots: list[int]) -> None:
         """Read pages of a disk tier (validated) into ``dst_pool`` rows ``dst_slots``."""
-        data = self.tiers[src].read(layer, src_slots, token_starts)
+        data = self._read(self.tiers[src], layer, src_slots, token_starts)
         dst_pool[torch.tensor(dst_slots, device=dst_pool.device)] = data.to(dst_pool.device)
         self._count(layer, src, None, len(src_slots))
 
@@ -304,7 +316,7 @@ class Mover:
         for ti, tier in enumerate(self.tiers):
             sel = (tiers == ti).nonzero().flatten()
             if len(sel):
-                out[sel] = tier.read(layer, st.slot[rows[sel], cols[sel]].tolist(),
+                out[sel] = self._read(tier, layer, st.slot[rows[sel], cols[sel]].tolist(),
                                      (cols[sel] * self.page_size).tolist()).cpu()
         return out
 
