@@ -46,9 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-SECTIONS = ("gate", "calibration", "decode", "pipeline", "hostcost", "autotune")
-#: what runs without --sections: the runtime's checks (the kernel sweeps are opt-in)
-DEFAULT_SECTIONS = ("gate", "calibration", "pipeline", "hostcost")
+SECTIONS = ("gate", "calibration", "decode", "pipeline", "hostcost", "tp", "autotune")
+#: what runs without --sections: the runtime's checks (the kernel sweeps are opt-in; tp skips
+#: itself on a machine with one GPU)
+DEFAULT_SECTIONS = ("gate", "calibration", "pipeline", "hostcost", "tp")
 REPO = Path(__file__).resolve().parent.parent
 GATE_TESTS = ("tests/test_decode.py", "tests/test_score.py", "tests/test_merge.py",
               "tests/test_prefill.py", "tests/test_metadata.py", "tests/test_copy.py",
@@ -455,6 +456,26 @@ def section_hostcost(ctx: dict) -> dict:
                                repeats=1 if tiny else 3, progress=False, graphs=True)
 
 
+def section_tp(ctx: dict) -> dict:
+    """Two tensor-parallel ranks with NCCL (transformers' ``tp_plan="auto"``), exact offload
+    token-identical to one process, DDR and disk tiers: ``tests/tp_worker.py``. Runs only on a
+    machine with two GPUs."""
+    n = torch.cuda.device_count()
+    if n < 2:
+        return {"skipped": f"needs two GPUs; this machine has {n}"}
+    folder = ctx["out"] / "tp"
+    folder.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(REPO / "tests" / "tp_worker.py"), str(folder), "llama,qwen3", "cuda"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    if proc.returncode:
+        return {"error": (proc.stdout + proc.stderr)[-3000:]}
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+    identical = all(row[t]["identical"] for r in ranks for row in r["families"].values()
+                    for t in ("ddr", "disk"))
+    return {"identical": identical, "ranks": ranks}
+
+
 def section_autotune(ctx: dict) -> dict:
     """A time-boxed pass over each kernel's config space, one problem each (the decode problem
     is the one where SDPA beat us in this check's first run: batch 64, 32K context)."""
@@ -478,7 +499,7 @@ def section_autotune(ctx: dict) -> dict:
 
 SECTION_FNS = {"gate": section_gate, "calibration": section_calibration,
                "decode": section_decode, "pipeline": section_pipeline,
-               "hostcost": section_hostcost,
+               "hostcost": section_hostcost, "tp": section_tp,
                "autotune": section_autotune}
 
 
@@ -557,6 +578,11 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | {v['median_ms']:.3f} | {v['p10_ms']:.3f}-{v['p90_ms']:.3f} "
                          f"| {v['ratio_to_sdpa']:.2f} |")
         lines.append("")
+    if "tp" in s and "error" not in s["tp"]:
+        tp = s["tp"]
+        lines += ["## Tensor parallelism (2 ranks, NCCL)", "",
+                  tp.get("skipped") or f"exact offload token-identical to one process on both "
+                  f"ranks, DDR and disk tiers: {tp['identical']}", ""]
     if "autotune" in s and "error" not in s["autotune"]:
         from tierattn.kernels.autotune import format_summary
 

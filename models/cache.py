@@ -18,6 +18,8 @@ from tierattn.cache import TieredKVCache
 from tierattn.config import TierConfig
 from tierattn.errors import KernelInputError, TierConfigError, UnsupportedModelError
 from tierattn.models.support import layer_kinds
+from tierattn.telemetry import all_ranks as all_ranks_stats
+from tierattn.telemetry import summarize
 
 __all__ = ["CACHE_KWARG", "TieredCache"]
 
@@ -52,14 +54,19 @@ class _TieredLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         else:
             owner._start(key_states)  # checks the batch of a reused cache
-        rt = owner.runtime
+        rt, local = owner.route(self.layer_idx)
         if key_states.shape[-1] != value_states.shape[-1] or \
                 key_states.shape[1] != rt.num_kv_heads or key_states.shape[-1] != rt.head_dim:
             raise UnsupportedModelError(
                 f"tierattn: layer {self.layer_idx} has K {list(key_states.shape)} and V "
                 f"{list(value_states.shape)}; the cache holds {rt.num_kv_heads} KV heads of dim "
                 f"{rt.head_dim} for K and V in every layer (the first layer's geometry).")
-        rt.update(self.layer_idx, key_states, value_states)
+        if not _same_device(key_states.device, rt.device):
+            raise KernelInputError(
+                f"tierattn: layer {self.layer_idx}'s K/V are on {key_states.device} but its "
+                f"pools on {rt.device}; for a model spread over devices (device_map), let "
+                "tierattn.patch() make the cache, or pass TieredCache(..., layer_devices=).")
+        rt.update(local, key_states, value_states)
         owner.pending_layer = self.layer_idx  # the attention call that follows reads it
         owner.last_kv = (key_states, value_states)  # what that call must be given
         attn_kwargs = kwargs.get("kwargs")
@@ -74,8 +81,10 @@ class _TieredLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        rt = self.owner.runtime
-        return rt.length(self.layer_idx) if rt is not None else 0
+        if not self.owner.runtimes:
+            return 0
+        rt, local = self.owner.route(self.layer_idx)
+        return rt.length(local)
 
     def get_max_length(self) -> int:
         return -1
@@ -84,7 +93,7 @@ class _TieredLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.owner.runtime = None
+        self.owner.runtimes, self.owner.where = [], []
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -107,18 +116,39 @@ class _TieredLayer(CacheLayerMixin):
                                   "supported.")
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.type == "cpu" or (a.index or 0) == (b.index or 0))
+
+
+def _rank_suffix() -> str:
+    """``-tp{rank}of{world}`` under tensor parallelism (``torch.distributed`` initialised with
+    several ranks): every rank's disk pages and saved caches get their own names."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return f"-tp{dist.get_rank()}of{dist.get_world_size()}"
+    return ""
+
+
 class TieredCache(Cache):
-    """A ``Cache`` for ``generate(cache=...)`` backed by a :class:`TieredKVCache`.
+    """A ``Cache`` for ``generate(cache=...)`` backed by :class:`TieredKVCache` runtimes.
 
     Args:
-        model_config: the model's ``PretrainedConfig`` (geometry: layers, KV heads, head dim).
+        model_config: the model's ``PretrainedConfig`` (its layers).
         config: the :class:`~tierattn.config.TierConfig`.
+        layer_devices: the device of each layer, for a model spread over devices
+            (``device_map``): one runtime per device holds that device's layers, its pools on
+            that device. None: every layer on the device of the first K/V (``patch`` passes the
+            model's own map).
 
-    The runtime is built on the first ``update``, when the batch size, dtype and device are
-    known. ``stats()`` returns its telemetry.
+    The runtimes are built on the first ``update``, when the batch size, dtype, device and the
+    K/V geometry are known: the KV heads and head dim are those of the K/V the model stores,
+    so under tensor parallelism each rank's cache holds that rank's heads (and its disk pages
+    and saved files carry the rank in their names). ``stats()`` returns the telemetry.
     """
 
-    def __init__(self, model_config, config: TierConfig | None = None) -> None:
+    def __init__(self, model_config, config: TierConfig | None = None, *,
+                 layer_devices: list | None = None) -> None:
         if config is not None and not isinstance(config, TierConfig):
             raise TierConfigError(
                 f"TieredCache: config must be a TierConfig, got {type(config).__name__}; build "
@@ -136,7 +166,11 @@ class TieredCache(Cache):
             text.num_attention_heads
         self.head_dim = getattr(text, "head_dim", None) or \
             text.hidden_size // text.num_attention_heads
-        self.runtime: TieredKVCache | None = None
+        self.runtimes: list[TieredKVCache] = []  # one per device
+        self.where: list[tuple[int, int]] = []  # layer -> (runtime, its layer index there)
+        self.layer_devices: list[torch.device] | None = None
+        if layer_devices is not None:
+            self.set_layer_devices(layer_devices)
         self.pending_layer: int | None = None  # updated, not yet attended
         self.last_kv: tuple | None = None  # the K/V update returned to that layer
         #: per layer, the sliding window transformers' own cache would keep (None: full)
@@ -146,21 +180,69 @@ class TieredCache(Cache):
         self._pad_of: torch.Tensor | None = None  # the runtime padding _pad was made from
         super().__init__(layers=[_TieredLayer(self, i) for i in range(self.num_layers)])
 
+    def set_layer_devices(self, devices: list) -> None:
+        """The device of each layer (before the first forward)."""
+        devices = [torch.device(d) for d in devices]
+        if len(devices) != self.num_layers:
+            raise KernelInputError(f"layer_devices lists {len(devices)} devices; the model has "
+                                   f"{self.num_layers} layers.")
+        if self.runtimes and devices != self.layer_devices:
+            raise KernelInputError("layer_devices: the cache is already built; make a new "
+                                   "TieredCache for another device map.")
+        self.layer_devices = devices
+
+    @property
+    def runtime(self) -> TieredKVCache | None:
+        """The runtime (None before the first forward); with layers on several devices, the
+        first device's (see :attr:`runtimes`)."""
+        return self.runtimes[0] if self.runtimes else None
+
+    def route(self, layer: int) -> tuple[TieredKVCache, int]:
+        """``(runtime, layer index in it)`` of model layer ``layer``."""
+        r, local = self.where[layer]
+        return self.runtimes[r], local
+
     def _start(self, key_states: torch.Tensor) -> None:
-        """Build the runtime on the first K/V: its geometry is the tensors' (a config's
-        ``head_dim`` is not always the K/V head dim, e.g. with MLA)."""
-        if self.runtime is None:
+        """Build the runtimes on the first K/V: the geometry is the tensors' (a config's
+        ``head_dim`` is not always the K/V head dim, e.g. with MLA; under tensor parallelism a
+        rank holds a share of the heads)."""
+        if not self.runtimes:
             self.num_kv_heads, self.head_dim = key_states.shape[1], key_states.shape[-1]
-            self.runtime = TieredKVCache(
-                self.tier_config, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim, batch_size=key_states.shape[0],
-                dtype=key_states.dtype, device=key_states.device,
-                fingerprint=f"{self.model_config.model_type}")
+            devices = self.layer_devices or [key_states.device] * self.num_layers
+            groups: list[torch.device] = []
+            for d in devices:
+                if d not in groups:
+                    groups.append(d)
+            self.where = []
+            counts = [0] * len(groups)
+            for d in devices:
+                g = groups.index(d)
+                self.where.append((g, counts[g]))
+                counts[g] += 1
+            suffix = _rank_suffix()
+            self.runtimes = [TieredKVCache(
+                self.tier_config, num_layers=n, num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim, batch_size=key_states.shape[0], dtype=key_states.dtype,
+                device=d, fingerprint=f"{self.model_config.model_type}{suffix}"
+                + (f"-dev{g}" if len(groups) > 1 else ""))
+                for g, (d, n) in enumerate(zip(groups, counts))]
         elif key_states.shape[0] != self.runtime.batch_size:
             raise KernelInputError(
                 f"TieredCache holds {self.runtime.batch_size} sequences; this forward has "
                 f"{key_states.shape[0]}: use a new TieredCache for another batch.")
 
+    def attend(self, layer: int, query: torch.Tensor, **kw) -> torch.Tensor:
+        """The runtime's ``attend`` for model layer ``layer``."""
+        rt, local = self.route(layer)
+        return rt.attend(local, query, **kw)
+
+    @property
+    def pad(self) -> torch.Tensor:
+        return self.runtime.pad
+
+    def set_padding(self, pad: torch.Tensor) -> None:
+        for rt in self.runtimes:
+            rt.set_padding(pad)
     def check_for(self, model_config, batch_size: int | None) -> None:
         """Refuse, before ``generate`` runs the model, a cache made for another model's layers
         or holding another batch size."""
@@ -202,14 +284,28 @@ class TieredCache(Cache):
         self._mask_bad.logical_or_((mask.bool() != want).any())
 
     def verify(self) -> None:
-        """Raise if a decode step's padding mask was not the prompt's left padding (a changed
-        padding or another pattern: the tiered cache serves a fixed left padding)."""
+        """At the end of ``generate``: raise if a decode step's padding mask was not the
+        prompt's left padding (the tiered cache serves a fixed left padding), or if a demotion
+        the last step deferred still fails (:meth:`TieredKVCache.settle`)."""
+        for rt in self.runtimes:
+            rt.settle()
         if self._mask_bad is not None and bool(self._mask_bad):
             raise NotImplementedError(
                 "tierattn: a decode step's attention_mask was not the prompt's left padding "
                 "followed by ones; the tiered cache supports a fixed left padding (pad on the "
                 "left, as generate() does for decoder-only models).")
 
-    def stats(self) -> dict:
-        """The runtime's telemetry (empty before the first forward)."""
-        return self.runtime.stats() if self.runtime is not None else {}
+    def stats(self, *, all_ranks: bool = False) -> dict:
+        """The telemetry (empty before the first forward): per model layer and in total,
+        over every device's runtime; ``all_ranks``: also every tensor-parallel rank's total
+        and their sum (collective: call it on every rank)."""
+        if not self.runtimes:
+            return {}
+        if len(self.runtimes) == 1:
+            out = self.runtime.stats()
+        else:
+            parts = [rt.stats()["layers"] for rt in self.runtimes]
+            layers = [parts[r][local] for r, local in self.where]
+            out = {"total": summarize(layers), "layers": layers}
+            out["total"]["page_bytes"] = self.runtime.page_bytes
+        return all_ranks_stats(out) if all_ranks else out

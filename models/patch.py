@@ -53,7 +53,7 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     """
     cache = kwargs.get(CACHE_KWARG) or CURRENT.get()
     CURRENT.set(None)  # consumed: an attention call with no update before it finds no cache
-    if not isinstance(cache, TieredCache) or cache.runtime is None:
+    if not isinstance(cache, TieredCache) or not cache.runtimes:
         raise RuntimeError(
             "tierattn: the patched model ran attention without its TieredCache (plain forward "
             "without a cache?). Call generate(), or pass cache=TieredCache(model.config, config).")
@@ -67,7 +67,7 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     cache.pending_layer = None
     if dropout:
         raise NotImplementedError("tierattn: attention dropout is not supported (inference only).")
-    out = cache.runtime.attend(layer, query, sm_scale=scaling,
+    out = cache.attend(layer, query, sm_scale=scaling,
                                softcap=kwargs.get("softcap"),
                                sliding_window=kwargs.get("sliding_window"),
                                sinks=kwargs.get("s_aux"))
@@ -118,13 +118,12 @@ def _left_padding(cache: TieredCache, mask: torch.Tensor) -> None:
             raise NotImplementedError(
                 "tierattn: only left padding is supported (attention_mask rows of the form "
                 "0..0 1..1); pad on the left, as generate() expects for decoder-only models.")
-    runtime = cache.runtime
-    if not torch.equal(runtime.pad, pad):
-        if bool((runtime.pad > 0).any()):
+    if not torch.equal(cache.pad, pad):
+        if bool((cache.pad > 0).any()):
             raise NotImplementedError(
-                f"tierattn: the padding changed from {runtime.pad.tolist()} to {pad.tolist()} "
+                f"tierattn: the padding changed from {cache.pad.tolist()} to {pad.tolist()} "
                 "tokens during generation; the tiered cache supports a fixed left padding.")
-        runtime.set_padding(pad)
+        cache.set_padding(pad)
 
 
 def _register() -> None:
@@ -132,6 +131,21 @@ def _register() -> None:
     for models that do not select ``"tierattn"``)."""
     AttentionInterface.register(ATTN_NAME, tiered_attention)
     AttentionMaskInterface.register(ATTN_NAME, flash_attention_mask)
+
+
+def _layer_devices(model, num_layers: int) -> list[torch.device] | None:
+    """The device of each attention layer's weights when the model is spread over several
+    devices (``device_map``), else None (one device: the cache follows the K/V)."""
+    devices: dict[int, torch.device] = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and getattr(module, "is_causal", None) and idx not in devices:
+            param = next(module.parameters(), None)
+            if param is not None:
+                devices[idx] = param.device
+    if len(devices) != num_layers or len(set(devices.values())) < 2:
+        return None
+    return [devices[i] for i in range(num_layers)]
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int | None:
@@ -185,6 +199,9 @@ class PatchHandle:
             self.cache = cache if isinstance(cache, TieredCache) else None
             if self.cache is not None:
                 self.cache.check_for(self.model.config, _batch_size(args, kwargs))
+                devices = _layer_devices(self.model, self.cache.num_layers)
+                if devices is not None and not self.cache.runtimes:
+                    self.cache.set_layer_devices(devices)
             out = original(*args, **kwargs)
             self._guard()
             return out

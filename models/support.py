@@ -124,6 +124,13 @@ def unsupported_reason(model) -> str | None:
         return ("its attention modules do not dispatch through transformers' attention "
                 "interface (_supports_attention_backend is False), so "
                 "attn_implementation='tierattn' would not reach them")
+    tp = getattr(model, "tp_size", None) or 1
+    text = model.config.get_text_config()
+    for name in ("num_key_value_heads", "num_attention_heads"):
+        heads = _attr(text, name)
+        if tp > 1 and isinstance(heads, int) and heads % tp:
+            return (f"{name}={heads} does not split evenly over tp_size={tp} ranks; each rank's "
+                    "cache holds an equal share of the heads: use a tp_size that divides it")
     for name, module in model.named_modules():
         idx = getattr(module, "layer_idx", None)
         if idx is None:

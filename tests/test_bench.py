@@ -146,10 +146,11 @@ def test_gpu_check_refuses_without_a_gpu_and_runs_tiny_on_cpu(tmp_path, capsys):
         pytest.skip("this machine has a GPU")
     assert gpu_check.main(["--out", str(tmp_path / "x")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
-    res = gpu_check.run(tmp_path / "gc", sections=("calibration", "decode", "pipeline"),
+    res = gpu_check.run(tmp_path / "gc", sections=("calibration", "decode", "pipeline", "tp"),
                         tiny=True, commit="test")
     secs = res["sections"]
     assert all("error" not in s for s in secs.values()), secs
+    assert secs["tp"]["skipped"] == "needs two GPUs; this machine has 0"
     assert secs["decode"]["all_correct"]
     assert secs["calibration"]["uva_copy_correct"]
     rows = secs["pipeline"]["rows"]

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from tierattn import snapshot, validate
+from tierattn import snapshot, telemetry, validate
 from tierattn.attention import Attention
 from tierattn.config import TierConfig
 from tierattn.errors import KernelInputError, KVCapacityError, KVIOError, TierConfigError
@@ -444,16 +444,17 @@ class TieredKVCache:
         return [{self.tiers[ti].kind: n for ti, n in self.pages.residency(layer).items()}
                 for layer in range(self.num_layers)]
 
-    def stats(self) -> dict:
+    def stats(self, *, all_ranks: bool = False) -> dict:
         """Telemetry per layer and in total (bytes per tier, launches, prefetch outcomes,
-        evicted tokens, resident fraction per tier, host time)."""
+        evicted tokens, resident fraction per tier, host time); ``all_ranks``: also every
+        rank's total and their sum under tensor parallelism (collective: call on every rank)."""
         fractions = []
         for counts in self.residency():
             total = max(1, sum(counts.values()))
             fractions.append({t.kind: counts.get(t.kind, 0) / total for t in self.tiers})
         out = self.telemetry.stats(fractions)
         out["total"]["page_bytes"] = self.page_bytes
-        return out
+        return telemetry.all_ranks(out) if all_ranks else out
 
     # --- save and restore ------------------------------------------------------------------
 

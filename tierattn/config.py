@@ -40,13 +40,14 @@ class TierSpec:
             (``hbm``: the hot budget of every sequence plus headroom; host tiers: the rest of
             ``max_context``). Disk capacity is counted in pages as well.
         path: directory of the disk tier.
-        numa_node: NUMA node of a CXL tier (Linux only; elsewhere it is a plain host pool).
+        numa_node: NUMA node of a CXL tier (Linux only; elsewhere it is a plain host pool); a
+            tuple gives one node per local rank (``LOCAL_RANK``) of a tensor-parallel job.
     """
 
     kind: str
     capacity_pages: int | None = None
     path: str | None = None
-    numa_node: int | None = None
+    numa_node: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in TIER_KINDS:
@@ -60,8 +61,21 @@ class TierSpec:
             raise TierConfigError("tiers: a disk tier needs path='DIR' (the page files' folder).")
         if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
             raise TierConfigError(f"tiers: path={self.path!r} must be a folder name.")
-        if self.numa_node is not None and (not _is_int(self.numa_node) or self.numa_node < 0):
-            raise TierConfigError(f"tiers: numa_node={self.numa_node!r} must be an int >= 0.")
+        nodes = self.numa_node if isinstance(self.numa_node, tuple) else (self.numa_node,)
+        if self.numa_node is not None and (not nodes or not all(
+                _is_int(n) and n >= 0 for n in nodes)):
+            raise TierConfigError(f"tiers: numa_node={self.numa_node!r} must be an int >= 0, "
+                                  "or a tuple of them (one per local rank).")
+
+    def node(self) -> int | None:
+        """This process's NUMA node: ``numa_node``, or its entry for ``LOCAL_RANK``."""
+        if not isinstance(self.numa_node, tuple):
+            return self.numa_node
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if rank >= len(self.numa_node):
+            raise TierConfigError(f"tiers: numa_node lists {len(self.numa_node)} nodes but this "
+                                  f"is local rank {rank}; give one node per local rank.")
+        return self.numa_node[rank]
 
 
 def _is_int(v: object) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LayerCounters", "Telemetry"]
+__all__ = ["LayerCounters", "Telemetry", "all_ranks", "summarize"]
 
 
 @dataclass
@@ -109,28 +109,48 @@ class Telemetry:
             d = counters.as_dict()
             d["resident_fraction"] = resident
             per_layer.append(d)
-        total: dict = {}
-        for key in ("h2d_bytes_total", "d2h_bytes_total", "h2d_decode_bytes", "copy_launches",
-                    "copy_launches_decode", "d2h_launches_decode", "kernel_launches",
-                    "prefetch_hits", "late_misses", "wasted_prefetches", "evicted_tokens",
-                    "window_dropped_tokens",
-                    "demoted_pages", "attend_calls", "host_time_s"):
-            total[key] = sum(d[key] for d in per_layer)
-        for key in ("h2d_bytes", "d2h_bytes"):
-            merged: dict[str, int] = defaultdict(int)
-            for d in per_layer:
-                for tier, n in d[key].items():
-                    merged[tier] += n
-            total[key] = dict(merged)
-        tiers = sorted({t for r in residency for t in r})
-        total["resident_fraction"] = {
-            t: sum(r.get(t, 0.0) for r in residency) / max(1, len(residency)) for t in tiers}
-        steps = max((d["decode_steps"] for d in per_layer), default=0)
-        total["decode_steps"] = steps
-        if steps:
-            total["h2d_bytes_per_decode_step"] = total["h2d_decode_bytes"] / steps
-            total["copy_launches_per_layer_per_step"] = \
-                total["copy_launches_decode"] / (steps * max(1, len(per_layer)))
-        hits, misses = total["prefetch_hits"], total["late_misses"]
-        total["prefetch_hit_rate"] = hits / (hits + misses) if hits + misses else None
-        return {"total": total, "layers": per_layer}
+        return {"total": summarize(per_layer), "layers": per_layer}
+
+
+def summarize(per_layer: list[dict]) -> dict:
+    """The total of per-layer stats (bytes, launches, prefetch outcomes summed; resident
+    fraction averaged over layers; decode steps: the most any layer ran)."""
+    total: dict = {}
+    for key in ("h2d_bytes_total", "d2h_bytes_total", "h2d_decode_bytes", "copy_launches",
+                "copy_launches_decode", "d2h_launches_decode", "kernel_launches",
+                "prefetch_hits", "late_misses", "wasted_prefetches", "evicted_tokens",
+                "window_dropped_tokens", "demoted_pages", "attend_calls", "host_time_s"):
+        total[key] = sum(d[key] for d in per_layer)
+    for key in ("h2d_bytes", "d2h_bytes"):
+        merged: dict[str, int] = defaultdict(int)
+        for d in per_layer:
+            for tier, n in d[key].items():
+                merged[tier] += n
+        total[key] = dict(merged)
+    residency = [d["resident_fraction"] for d in per_layer]
+    tiers = sorted({t for r in residency for t in r})
+    total["resident_fraction"] = {
+        t: sum(r.get(t, 0.0) for r in residency) / max(1, len(residency)) for t in tiers}
+    steps = max((d["decode_steps"] for d in per_layer), default=0)
+    total["decode_steps"] = steps
+    if steps:
+        total["h2d_bytes_per_decode_step"] = total["h2d_decode_bytes"] / steps
+        total["copy_launches_per_layer_per_step"] = \
+            total["copy_launches_decode"] / (steps * max(1, len(per_layer)))
+    hits, misses = total["prefetch_hits"], total["late_misses"]
+    total["prefetch_hit_rate"] = hits / (hits + misses) if hits + misses else None
+    return total
+
+
+def all_ranks(stats: dict) -> dict:
+    """``stats`` of this rank plus, under tensor parallelism (``torch.distributed``
+    initialised, several ranks), ``"ranks"`` (every rank's total, by rank) and ``"all_ranks"``
+    (the total over every rank's layers). Collective: every rank must call it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {**stats, "ranks": [stats["total"]], "all_ranks": stats["total"]}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, stats["layers"])
+    return {**stats, "ranks": [summarize(layers) for layers in gathered],
+            "all_ranks": summarize([d for layers in gathered for d in layers])}

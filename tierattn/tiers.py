@@ -256,7 +256,7 @@ def build_tier(spec: TierSpec, *, num_layers: int, capacity: int, page_shape: tu
     if spec.kind in ("ddr", "cxl"):
         return MemoryTier(spec.kind, num_layers, capacity, page_shape, dtype,
                           torch.device("cpu"), pinned=device.type == "cuda",
-                          numa_node=spec.numa_node)
+                          numa_node=spec.node())
     if spec.kind == "disk":
         return DiskTier(num_layers, capacity, page_shape, dtype, spec.path, fingerprint)
     raise TierConfigError(f"tiers: unknown kind {spec.kind!r}")  # TierSpec already checks
