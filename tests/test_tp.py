@@ -87,3 +87,19 @@ def test_device_map_on_two_gpus_keeps_each_layers_pools_on_its_device():
         generate(model, ids)
     devices = [str(rt.device) for rt in handle.cache.runtimes]
     assert devices == ["cuda:0", "cuda:1"]
+
+
+def test_cxl_numa_node_per_local_rank(monkeypatch):
+    from tierattn.config import TierSpec
+    from tierattn.errors import TierConfigError
+
+    spec = TierSpec("cxl", numa_node=(0, 1))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert spec.node() == 1
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(TierConfigError, match="one node per local rank"):
+        spec.node()
+    for bad in ((), (0, -1), (0, 1.5), "0"):
+        with pytest.raises(TierConfigError, match="numa_node"):
+            TierSpec("cxl", numa_node=bad)
+    assert TierSpec("cxl", numa_node=3).node() == 3
