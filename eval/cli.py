@@ -20,6 +20,11 @@ import sys
 from pathlib import Path
 
 
+#: the eval's methods (tierattn.eval.methods.METHODS, listed here so --help imports no torch)
+METHOD_NAMES = ("full", "offload", "topk", "topk-quest", "evict-h2o", "evict-snapkv",
+                "evict-snapkv-decode", "evict-rkv", "evict-streaming", "evict-random", "oracle")
+
+
 class UsageError(Exception):
     """A command-line mistake: printed as one line naming the flag and the fix, exit 2."""
 
@@ -170,24 +175,33 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.what == "fidelity":
-        from tierattn.eval.fidelity import FidelitySpec, run_fidelity, summary
+        from tierattn.eval.fidelity import FidelitySpec, long_context, run_fidelity, summary
 
-        spec = FidelitySpec(budgets=args.budgets or (0.25, 0.5), segments=args.segments,
-                            page_size=args.page_size, seed=args.seed or 0, backend=args.backend)
-        print(summary(run_fidelity(spec, out_root=args.out_root)))
+        kw = dict(budgets=args.budgets or (0.25, 0.5), segments=args.segments,
+                  page_size=args.page_size or 16, seed=args.seed or 0, backend=args.backend,
+                  **({"methods": tuple(m for m in args.methods if m not in ("full", "oracle"))}
+                     if args.methods else {}))
+        specs = [long_context(c, **kw) for c in args.contexts] if args.contexts else \
+            [FidelitySpec(**kw)]
+        for spec in specs:
+            print(summary(run_fidelity(spec, out_root=args.out_root)))
         return 0
     if args.data:
         from tierattn.eval.qa import run_qa, summary
 
         print(summary(run_qa(args.model, args.data, budgets=args.budgets or (0.25, 0.5),
+                             **({"methods": args.methods} if args.methods else {}),
                              n=args.n, max_new_tokens=args.max_new_tokens,
-                             page_size=args.page_size, backend=args.backend, seed=args.seed or 0,
+                             page_size=args.page_size or 16, backend=args.backend,
+                             seed=args.seed or 0,
                              out_root=args.out_root)))
         return 0
     from tierattn.eval.reasoning import ReasoningSpec, run_reasoning, summary
 
     spec = ReasoningSpec(n=args.n or 200, budgets=args.budgets or (0.25, 0.5, 0.75),
-                         page_size=args.page_size, backend=args.backend,
+                         page_size=args.page_size or ReasoningSpec.page_size,
+                         backend=args.backend,
+                         **({"methods": args.methods} if args.methods else {}),
                          **({"seed": args.seed} if args.seed is not None else {}))
     print(summary(run_reasoning(spec, model_dir=args.model, out_root=args.out_root)))
     return 0
@@ -353,11 +367,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="items per task (reasoning default 200; --data default: all)")
     ev.add_argument("--budgets", type=_floats, default=None,
                     help="comma-separated HBM ratios (reasoning default 0.25,0.5,0.75)")
+    ev.add_argument("--methods", type=_choices(METHOD_NAMES), default=None,
+                    help="comma-separated methods (default: all of them; full is always run)")
+    ev.add_argument("--contexts", type=_list(_int_at_least(256)), default=None,
+                    help="fidelity: context lengths in tokens (e.g. 2048,4096): text segments "
+                         "and passkey prompts of that length (default: 448-token segments)")
     ev.add_argument("--segments", type=_int_at_least(1), default=8,
                     help="fidelity: text segments")
     ev.add_argument("--max-new-tokens", type=_int_at_least(1), default=256,
                     help="--data: generation length")
-    ev.add_argument("--page-size", type=_int_at_least(1), default=16)
+    ev.add_argument("--page-size", type=_int_at_least(1), default=None,
+                    help="tokens per page (default: 8 for the reasoning eval, whose 25%% budget "
+                         "needs small pages; 16 for fidelity and --data)")
     ev.add_argument("--seed", type=int, default=None)
     ev.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                     help="kernel backend (auto: Triton on CUDA, the torch reference on CPU)")

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tierattn.eval.methods import method_config
+from tierattn.eval.methods import METHODS as ALL_METHODS
+from tierattn.eval.methods import plan_cell
 from tierattn.eval.metrics import kl_summary, mcnemar, token_kl, wilson
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
 from tierattn.eval.runner import decode
@@ -32,7 +33,9 @@ from tierattn.eval.runner import decode
 __all__ = ["FidelitySpec", "load_smollm2", "offline_texts", "run_fidelity"]
 
 LICENCES = Path("/usr/share/common-licenses")
-METHODS = ("offload", "topk", "evict-h2o", "evict-snapkv", "evict-streaming", "evict-random")
+#: every method of the reasoning eval but the full cache (the reference) and the oracle (it
+#: needs to know which tokens an answer uses)
+METHODS = tuple(m for m in ALL_METHODS if m not in ("full", "oracle"))
 
 
 def load_smollm2():
@@ -77,7 +80,8 @@ class FidelitySpec:
         passkey_depths: where the passkey sits (fraction of the context).
         passkey_trials: keys per depth.
         passkey_tokens: approximate context length of a passkey prompt.
-        pointer_items: few-shot pointer-chasing queries.
+        pointer_items: few-shot pointer-chasing queries (0 at long contexts: the prompts are
+            short).
         page_size: tokens per page.
         seed: seed of the passkeys, pointer items and random eviction.
         backend: kernel backend.
@@ -95,6 +99,13 @@ class FidelitySpec:
     page_size: int = 16
     seed: int = 0
     backend: str = "auto"
+
+
+def long_context(context: int, **kw) -> FidelitySpec:
+    """A spec at a ``context``-token context: text segments of ``context`` tokens (the last 64
+    teacher-forced) and passkey prompts of ``context`` tokens, no pointer items."""
+    return FidelitySpec(prefix=context - 64, continuation=64, passkey_tokens=context,
+                        pointer_items=0, **kw)
 
 
 def _segments(tok, spec: FidelitySpec) -> list[list[int]]:
@@ -169,25 +180,33 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
     keys = [(d, rng.randrange(10_000, 100_000)) for d in spec.passkey_depths
             for _ in range(spec.passkey_trials)]
     pk_ids = [tok(passkey_prompt(tok, k, d, spec.passkey_tokens)).input_ids for d, k in keys]
-    ptr = [pointer_prompt(rng) for _ in range(spec.pointer_items)]
+    ptr = [pointer_prompt(rng) for _ in range(spec.pointer_items)]  # none at long contexts
     ptr_ids = [tok(p).input_ids for p, _ in ptr]
-    ptr_steps = max(len(tok(a).input_ids) for _, a in ptr) + 2
+    ptr_steps = max((len(tok(a).input_ids) for _, a in ptr), default=0) + 2
     longest = max(len(x) for x in segs + pk_ids + ptr_ids) + 32
     max_context = -(-longest // spec.page_size) * spec.page_size
 
-    runs = [("full", 1.0, None)] + [
-        (m, b, method_config(m, b, page_size=spec.page_size, max_context=max_context,
-                             backend=spec.backend, seed=spec.seed))
-        for m in spec.methods for b in spec.budgets]
+    shortest = min(len(x) for x in [s[:spec.prefix] for s in segs] + pk_ids)
+    cells = [plan_cell(m, b, prompt_tokens=shortest, page_size=spec.page_size,
+                       max_context=max_context, backend=spec.backend, seed=spec.seed)
+             for m in spec.methods for b in spec.budgets]
+    runs = [("full", 1.0, None, "")] + [(c.method, c.hbm, c.config, "" if c.feasible else
+                                         c.reason) for c in cells]
     ref_tf = ref_pk = ref_ptr = None
     rows = []
-    for method, budget, cfg in tqdm(runs, desc="fidelity"):
+    for method, budget, cfg, infeasible in tqdm(runs, desc="fidelity"):
+        if infeasible:
+            rows.append({"method": method, "hbm": budget, "feasible": False,
+                         "reason": infeasible})
+            continue
         start = time.perf_counter()
         tf = _teacher_forced(model, segs, spec, cfg)
         pk_text, stats = _greedy_text(model, tok, pk_ids, cfg, steps=8)
         pk_ok = [str(k) in t for (_, k), t in zip(keys, pk_text)]
-        ptr_text, _ = _greedy_text(model, tok, ptr_ids, cfg, steps=ptr_steps)
-        ptr_ok = [t.strip().startswith(a.strip()) for (_, a), t in zip(ptr, ptr_text)]
+        ptr_ok = []
+        if ptr_ids:
+            ptr_text, _ = _greedy_text(model, tok, ptr_ids, cfg, steps=ptr_steps)
+            ptr_ok = [t.strip().startswith(a.strip()) for (_, a), t in zip(ptr, ptr_text)]
         if ref_tf is None:
             ref_tf, ref_pk, ref_ptr = tf, pk_ok, ptr_ok
         valid = torch.ones(tf.tokens.shape, dtype=torch.bool)
@@ -196,7 +215,7 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
         ref_nll = -ref_tf.logprobs.gather(-1, ref_tf.tokens[..., None]).mean()
         lo, hi = wilson(sum(pk_ok), len(pk_ok))
         row = {
-            "method": method, "hbm": budget,
+            "method": method, "hbm": budget, "feasible": True,
             **{f"kl_{k}": v for k, v in kl_summary(kl).items()},
             "top1_agreement": float((tf.logprobs.argmax(-1) ==
                                      ref_tf.logprobs.argmax(-1)).float().mean()),
@@ -205,8 +224,8 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
             "passkey_mcnemar_p": mcnemar(ref_pk, pk_ok)["p"],
             **{f"passkey_depth_{d:g}": sum(o for (dd, _), o in zip(keys, pk_ok) if dd == d) /
                spec.passkey_trials for d in spec.passkey_depths},
-            "pointer_acc": sum(ptr_ok) / len(ptr_ok),
-            "pointer_mcnemar_p": mcnemar(ref_ptr, ptr_ok)["p"],
+            "pointer_acc": sum(ptr_ok) / len(ptr_ok) if ptr_ok else None,
+            "pointer_mcnemar_p": mcnemar(ref_ptr, ptr_ok)["p"] if ptr_ok else None,
             "resident_hbm": stats["total"]["resident_fraction"].get("hbm", 0.0)
             if stats else 1.0,
             "seconds": time.perf_counter() - start,
@@ -216,10 +235,11 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
               "layers": model.config.num_hidden_layers,
               "heads": [model.config.num_attention_heads, model.config.num_key_value_heads],
               "minutes": (time.time() - started) / 60, "cells": rows,
-              "pointer_example": ptr[0][0] + ptr[0][1]}
+              "pointer_example": ptr[0][0] + ptr[0][1] if ptr else None}
     if out_root:
-        out = new_results_dir(out_root, f"fidelity-smollm2-s{spec.segments}-ps{spec.page_size}-"
-                              f"seed{spec.seed}-b{'_'.join(f'{b:g}' for b in spec.budgets)}")
+        out = new_results_dir(out_root, f"fidelity-smollm2-ctx{spec.prefix + spec.continuation}-"
+                              f"s{spec.segments}-ps{spec.page_size}-seed{spec.seed}-"
+                              f"b{'_'.join(f'{b:g}' for b in spec.budgets)}")
         result["out"] = str(out)
         save_json(result, out / "results.json", quiet=True)
         write_csv(rows, out / "cells.csv")

@@ -218,6 +218,8 @@ def stub_kernels() -> KernelSet:
         paged_prefill_mass=lambda q, pool, table, qo, lse, **_: per_entry(table, pool.shape[3],
                                                                           q.device),
         quest_score=lambda q, kmin, kmax, table, **_: per_entry(table, kmin.shape[1], q.device),
+        sketch_score=lambda q, codes, kmin, kmax, table, **_: per_entry(table, kmin.shape[1],
+                                                                        q.device),
         copy_pages=lambda *a, **k: None)
 
 

@@ -1,78 +1,184 @@
-"""The methods an eval compares at one HBM budget, as :class:`~tierattn.config.TierConfig`s.
+"""The methods an eval compares at one HBM budget, as :class:`~tierattn.config.TierConfig`s, at
+**equal HBM bytes**.
 
-Every method keeps the same number of tokens in HBM per layer (``hbm`` of the sequence, rounded
-up to pages, plus the sink page, the recent window and the page being filled, which every method
-keeps whatever the budget; DESIGN.md measured that dropping them costs any method most of its
-fidelity):
+At HBM budget ``hbm`` every method holds at most ``hbm`` of the full KV bytes per layer, counting
+its resident pages, the pages it must keep hot (the sink page and the page being filled), and
+its key tier (the key range and key sketch of every page, for ``topk``); staging buffers are
+reported apart. Bytes are counted for 16-bit KV, the deployment dtype, whatever precision a run
+computes in. Budgets round *down* to whole pages (``budget_rounding="down"``), so no method
+holds a partial page over its share; a cell whose must-hot pages do not fit in its share is
+**infeasible** and is reported as such, not run over budget.
 
 =================  ============================================================================
 ``full``           the model's own attention and cache (the reference; no budget)
 ``offload``        ``hbm`` hot, the rest demoted to DDR and fetched back for every step
                    (``attend="all"``): exact, whatever the budget
-``topk``           ``hbm - recall`` hot plus the ``recall`` best cold pages per step by the
-                   query-aware Quest bound, fetched from DDR (approximate, less traffic)
+``topk``           ``hbm`` minus the key tier hot, plus the ``RECALL`` best cold pages per step
+                   by the key sketch (the largest logit of the query against every key of the
+                   page, from ``KEY_BITS``-bit keys in HBM), fetched from DDR into staging
+``topk-quest``     the same with Quest's bound instead of the sketch (the key range only)
 ``evict-h2o``      ``hbm`` kept, the rest dropped by accumulated attention (H2O)
 ``evict-snapkv``   ``hbm`` kept, dropped once after prefill by the prompt's last queries (SnapKV)
+``evict-snapkv-decode``  the same, re-scored by the last decode queries as the trace grows
+``evict-rkv``      ``hbm`` kept as the trace grows by R-KV (recent attention less redundancy)
 ``evict-streaming`` sinks + the most recent tokens (StreamingLLM)
 ``evict-random``   ``hbm`` kept, the rest dropped at random (seeded)
-``oracle``         drops the same number of tokens right after prefill but keeps the pages
-                   holding the edges the answer needs (an upper bound for any eviction policy)
+``oracle``         drops right after prefill all but ``hbm`` of the prompt, keeping the sink, the
+                   page being filled and, within that budget, the pages holding the edges the
+                   answer needs (an upper bound for any eviction policy at that budget)
 =================  ============================================================================
 
-``grid_config(hbm, evict)`` mixes the two: ``evict`` of the sequence dropped by H2O, ``hbm`` kept
-hot and the rest offloaded, for the claim "accuracy depends on the eviction ratio, not the HBM
-ratio".
+Must-hot pages count inside the budget, so each method keeps the smallest set its authors'
+design needs: the page being filled always, the sink page for every method but ``topk``
+(StreamingLLM, R-KV and the others keep the first tokens; ``topk`` recalls the first page like
+any other when its keys score), no extra recent pages. ``topk``'s resident share is what its key
+tier leaves: at 25% HBM, 25% - 12.5% (4-bit sketch) = 12.5%.
+
+Why 8-token pages (``PAGE_SIZE``): on the reasoner's ~290-token prompts a 16-token page is 5.5%
+of the prompt, so at 25% HBM ``topk`` keeps 2 resident pages and a recall of 20% fetches ~3
+pages of ~5 unrelated edges each; 8-token pages give 4 resident pages and recall twice as many
+distinct places for the same bytes (measured on 100 items: 0.89 at 16 tokens, 0.98 at 8). The
+must-hot set (2 pages for the eviction methods, 5.5% of the prompt) leaves every method room to
+choose at 25%. The previous default (16-token pages with sink, two recent pages and the page
+being filled: 21% of the prompt) made every method hold more than 25% there.
+
+Recall is synchronous in the eval (``prefetch="none"``): the layer-ahead prefetch of the
+previous step's selection is a latency optimization that, on this model, fetches ~36% of its
+bytes for nothing, and the H2D column counts every byte moved.
+
+``grid_config(hbm, evict)`` mixes offload and eviction: ``evict`` of the sequence dropped by H2O,
+``hbm`` kept hot and the rest offloaded, for the claim "accuracy depends on the eviction ratio,
+not the HBM ratio".
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tierattn.config import TierConfig, TierSpec
 
-__all__ = ["METHODS", "RECALL", "evict_ratio", "grid_config", "method_config"]
+__all__ = ["METHODS", "PAGE_SIZE", "RECALL", "SINK_PAGES", "RECENT_PAGES", "Cell", "evict_ratio",
+           "grid_config", "key_tier_fraction", "method_config", "plan_cell"]
 
-METHODS = ("full", "offload", "topk", "evict-h2o", "evict-snapkv", "evict-streaming",
-           "evict-random", "oracle")
+METHODS = ("full", "offload", "topk", "topk-quest", "evict-h2o", "evict-snapkv",
+           "evict-snapkv-decode", "evict-rkv", "evict-streaming", "evict-random", "oracle")
 
-#: fraction of the sequence top-k recalls per step (taken out of its hot budget)
-RECALL = 0.1
+#: tokens per page of the eval (see the module docstring)
+PAGE_SIZE = 8
+#: fraction of the cold pages top-k recalls per step (into staging, outside the budget)
+RECALL = 0.2
+#: bits per key channel of ``topk``'s key sketch
+KEY_BITS = 4
+#: the must-hot set (see the module docstring); ``topk`` keeps no sink page
+SINK_PAGES, RECENT_PAGES = 1, 0
+#: bytes per K or V element the budgets are counted in (16-bit KV)
+KV_BYTES = 2
 
 
-def method_config(method: str, hbm: float, *, page_size: int = 16, max_context: int = 4096,
+def key_tier_fraction(config: TierConfig | None) -> float:
+    """HBM the key tier of ``config`` holds, as a fraction of the full K+V bytes: the key range
+    (two rows of ``D`` per page against ``2 P`` rows of K and V) and the key sketch
+    (``key_bits`` per key channel against ``2 x 16`` bits of K and V; its quantization range,
+    one per layer, KV head and channel, is negligible)."""
+    if config is None:
+        return 0.0
+    frac = 1.0 / config.page_size if config.key_range else 0.0
+    if config.key_sketch:
+        frac += config.key_bits / (8 * 2 * KV_BYTES)
+    return frac
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One method at one HBM budget: its config and its HBM accounting.
+
+    Attributes:
+        resident: fraction of the KV pages it may keep in HBM (budget less the key tier).
+        key_tier: fraction of the full KV bytes its key tier holds.
+        must_pages: pages every sequence keeps hot whatever the budget.
+        feasible: False when ``must_pages`` do not fit in ``resident`` (``reason`` says why).
+    """
+
+    method: str
+    hbm: float
+    config: TierConfig | None
+    resident: float
+    key_tier: float
+    must_pages: int
+    feasible: bool = True
+    reason: str = ""
+
+
+def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_context: int = 4096,
                   backend: str = "auto", seed: int = 0) -> TierConfig | None:
-    """The TierConfig of ``method`` at HBM ratio ``hbm`` (None for ``full``).
+    """The TierConfig of ``method`` at HBM ratio ``hbm`` (None for ``full``), sized so that its
+    resident pages and key tier together hold at most ``hbm`` of the KV bytes.
 
     Raises:
-        ValueError: unknown ``method`` or ``hbm`` outside ``(0, 1]``.
+        ValueError: unknown ``method``, ``hbm`` outside ``(0, 1]``, or a key tier that alone
+            exceeds ``hbm``.
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not one of {METHODS}.")
     if not 0.0 < hbm <= 1.0:
         raise ValueError(f"hbm={hbm!r} must be a fraction in (0, 1].")
     common = {"page_size": page_size, "max_context": max_context, "backend": backend,
-              "prefill_chunk_size": max_context, "seed": seed}
+              "prefill_chunk_size": max_context, "seed": seed, "sink_pages": SINK_PAGES,
+              "recent_pages": RECENT_PAGES, "budget_rounding": "down"}
     if method == "full":
         return None
     if method == "offload":
         return TierConfig.preset("offload", hot_budget=hbm, **common)
-    if method == "topk":
-        recall = min(RECALL, hbm / 2)
-        return TierConfig.preset("topk", hot_budget=hbm - recall, recall_budget=recall, **common)
+    if method in ("topk", "topk-quest"):
+        score = "sketch" if method == "topk" else "quest"
+        cfg = TierConfig.preset("topk", recall_budget=RECALL, recall_score=score,
+                                key_bits=KEY_BITS, prefetch="none",
+                                **{**common, "sink_pages": 0})
+        resident = round(hbm - key_tier_fraction(cfg), 6)
+        if resident <= 0:
+            raise ValueError(f"{method}: its key tier ({key_tier_fraction(cfg):.3f} of the KV "
+                             f"bytes) alone exceeds hbm={hbm}.")
+        return cfg.replace(hot_budget=resident)
     if method == "oracle":  # no eviction by the runtime: the eval drops pages after prefill
-        return TierConfig(hot_budget=1.0, tiers=(TierSpec("hbm"),), **common)
+        return TierConfig(hot_budget=1.0, tiers=(TierSpec("hbm"),),
+                          **{**common, "budget_rounding": "up"})
     if method == "evict-random":
         return TierConfig.preset("evict-h2o", evict_policy="random", hot_budget=hbm,
-                                 evict_budget=1.0 - hbm, **common)
-    return TierConfig.preset(method, hot_budget=hbm, evict_budget=1.0 - hbm, **common)
+                                 evict_budget=round(1.0 - hbm, 6), **common)
+    return TierConfig.preset(method, hot_budget=hbm, evict_budget=round(1.0 - hbm, 6), **common)
+
+
+def plan_cell(method: str, hbm: float, *, prompt_tokens: int, page_size: int = PAGE_SIZE,
+              max_context: int = 4096, backend: str = "auto", seed: int = 0) -> Cell:
+    """``method`` at ``hbm`` with its accounting; infeasible when the must-hot pages do not fit
+    in the resident share of the shortest prompt (``prompt_tokens``)."""
+    try:
+        cfg = method_config(method, hbm, page_size=page_size, max_context=max_context,
+                            backend=backend, seed=seed)
+    except ValueError as e:
+        if method not in METHODS or not 0.0 < hbm <= 1.0:
+            raise
+        return Cell(method, hbm, None, 0.0, 0.0, 1, False, str(e))
+    must = 1 if cfg is None else cfg.sink_pages + cfg.recent_pages + 1
+    key = key_tier_fraction(cfg)
+    resident = 1.0 if cfg is None else hbm if method == "oracle" else round(hbm - key, 6)
+    allowed = int(resident * prompt_tokens) // page_size
+    if cfg is not None and must > allowed:
+        return Cell(method, hbm, cfg, resident, key, must, False,
+                    f"{must} must-hot pages do not fit in {resident:.3f} of a {prompt_tokens}-"
+                    f"token prompt ({allowed} pages of {page_size})")
+    return Cell(method, hbm, cfg, resident, key, must)
 
 
 def evict_ratio(method: str, hbm: float) -> float:
     """The fraction of each sequence ``method`` drops for good at HBM ratio ``hbm``."""
-    return 0.0 if method in ("full", "offload", "topk") else round(1.0 - hbm, 6)
+    return 0.0 if method in ("full", "offload", "topk", "topk-quest") else round(1.0 - hbm, 6)
 
 
-def grid_config(hbm: float, evict: float, *, page_size: int = 16, max_context: int = 4096,
+def grid_config(hbm: float, evict: float, *, page_size: int = PAGE_SIZE, max_context: int = 4096,
                 backend: str = "auto") -> TierConfig:
     """``evict`` of each sequence dropped (H2O), ``hbm`` hot, the rest offloaded to DDR."""
     return TierConfig(hot_budget=hbm, evict_budget=evict, evict_policy="h2o", attend="all",
                       page_size=page_size, max_context=max_context,
-                      prefill_chunk_size=max_context, backend=backend)
+                      prefill_chunk_size=max_context, backend=backend, sink_pages=SINK_PAGES,
+                      recent_pages=RECENT_PAGES, budget_rounding="down")

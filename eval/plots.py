@@ -7,7 +7,8 @@ from pathlib import Path
 __all__ = ["reasoning_plots"]
 
 #: one colour per method, stable across plots
-COLORS = {"full": "black", "offload": "tab:green", "topk": "tab:olive", "evict-h2o": "tab:red",
+COLORS = {"full": "black", "offload": "tab:green", "topk": "tab:olive",
+          "topk-quest": "tab:cyan", "evict-h2o": "tab:red",
           "evict-snapkv": "tab:orange", "evict-streaming": "tab:purple",
           "evict-random": "tab:gray", "oracle": "tab:blue", "h2o+offload": "tab:brown"}
 
@@ -35,7 +36,7 @@ def reasoning_plots(cells: list[dict], out: str | Path) -> list[Path]:
     plt = _pyplot()
     out = Path(out)
     paths = []
-    main = [c for c in cells if c["section"] == "main"]
+    main = [c for c in cells if c["section"] == "main" and c.get("feasible", True)]
     full = next((c for c in main if c["method"] == "full"), None)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -50,7 +51,7 @@ def reasoning_plots(cells: list[dict], out: str | Path) -> list[Path]:
                                                                for c in rows]]
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=method,
                     color=COLORS.get(method))
-    ax.set(xlabel="HBM ratio (fraction of the KV cache resident in HBM)",
+    ax.set(xlabel="HBM budget (fraction of the KV bytes held in HBM, key tier included)",
            ylabel="exact-chain accuracy (Wilson 95%)", ylim=(-0.02, 1.02),
            title="Multi-hop pointer chasing at equal HBM budget")
     paths.append(_save(plt, fig, ax, out / "accuracy_vs_hbm.png"))

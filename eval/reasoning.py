@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tierattn.eval.methods import METHODS, evict_ratio, grid_config, method_config
+from tierattn.eval.methods import METHODS, PAGE_SIZE, evict_ratio, grid_config, plan_cell
 from tierattn.eval.metrics import (first_divergence, kl_summary, mcnemar, token_kl, trace_length,
                                    wilson)
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
@@ -59,7 +59,7 @@ class ReasoningSpec:
     grid_hbm: tuple[float, ...] = (0.2, 0.35, 0.5)
     grid_evict: tuple[float, ...] = (0.0, 0.25, 0.5)
     control_budget: float = 0.25
-    page_size: int = 16
+    page_size: int = PAGE_SIZE
     seed: int = 2026
     backend: str = "auto"
     batch_size: int = 200
@@ -176,17 +176,29 @@ def _reference(model, items, *, steps, eos_id, pad_id, batch_size) -> _Reference
 
 
 def _traffic(stats: list, num_layers: int, prompt_tokens: int) -> dict:
-    """H2D/D2H bytes per generated token, resident HBM fraction, evicted fraction."""
+    """H2D bytes per generated token (all, and without prefetched pages nobody used), D2H
+    bytes per token, cold tokens attended per layer and step, resident HBM fraction of the
+    live tokens, evicted fraction."""
     if not stats or not stats[0][0]:
-        return {"h2d_bytes_per_token": 0.0, "d2h_bytes_per_token": 0.0, "resident_hbm": 1.0,
+        return {"h2d_bytes_per_token": 0.0, "h2d_used_bytes_per_token": 0.0,
+                "d2h_bytes_per_token": 0.0, "cold_tokens_per_step": 0.0, "resident_hbm": 1.0,
                 "evicted_fraction": 0.0}
     h2d = sum(s["total"]["h2d_decode_bytes"] for s, _, _ in stats)
+    wasted = sum(s["total"]["wasted_prefetches"] * s["total"]["page_bytes"]
+                 for s, _, _ in stats)
     d2h = sum(s["total"]["d2h_bytes_total"] for s, _, _ in stats)
     generated = sum(b * steps for _, b, steps in stats)
     items = sum(b for _, b, _ in stats)
+    # the cold pages attended: fetched and used (a prefetched page nobody used is not)
+    cold_tokens = sum((s["total"]["h2d_decode_bytes"] / s["total"]["page_bytes"]
+                       - s["total"]["wasted_prefetches"]) * s["total"]["page_size"]
+                      for s, _, _ in stats)
     hbm = sum(s["total"]["resident_fraction"].get("hbm", 0.0) * b for s, b, _ in stats) / items
     evicted = sum(s["total"]["evicted_tokens"] for s, _, _ in stats)
-    return {"h2d_bytes_per_token": h2d / generated, "d2h_bytes_per_token": d2h / generated,
+    return {"h2d_bytes_per_token": h2d / generated,
+            "h2d_used_bytes_per_token": (h2d - wasted) / generated,
+            "d2h_bytes_per_token": d2h / generated,
+            "cold_tokens_per_step": cold_tokens / (generated * num_layers),
             "resident_hbm": hbm, "evicted_fraction": evicted / (num_layers * prompt_tokens)}
 
 
@@ -201,6 +213,11 @@ def evaluate_items(model, items: list[Item], runs: list[dict], *, steps: int, eo
     prompt_tokens = sum(len(it.prompt) for it in items)
     rows = []
     for run in tqdm(runs, desc=desc, leave=False):
+        if not run.get("feasible", True):
+            rows.append({"method": run["method"], "hbm": run.get("hbm"),
+                         "evict": run.get("evict"), "feasible": False,
+                         "reason": run.get("reason", "")})
+            continue
         start = time.perf_counter()
         oracle = run.get("oracle", False)
         common = {"steps": steps, "eos_id": eos_id, "pad_id": pad_id, "batch_size": batch_size,
@@ -221,7 +238,9 @@ def evaluate_items(model, items: list[Item], runs: list[dict], *, steps: int, eo
         groups = sorted({it.group for it in items if it.group is not None}, key=str)
         test = mcnemar(ref.correct, ok)
         row = {
-            "method": run["method"], "hbm": run.get("hbm"), "evict": run.get("evict"), "n": n,
+            "method": run["method"], "hbm": run.get("hbm"), "evict": run.get("evict"),
+            "feasible": True, "hbm_held": run.get("held"), "key_tier": run.get("key_tier"),
+            "n": n,
             "correct": k, "accuracy": k / n, "ci_low": lo, "ci_high": hi,
             "mcnemar_p": test["p"], "full_only": test["ref_only"],
             "method_only": test["other_only"],
@@ -245,25 +264,37 @@ TABLE_COLUMNS = [("section", "section", ""), ("method", "method", ""), ("hbm", "
                  ("McNemar p", "mcnemar_p", ".2g"), ("KL mean", "kl_mean", ".2e"),
                  ("KL p99.9", "kl_p999", ".2e"), ("top1", "top1_agreement", ".3f"),
                  ("greedy=", "greedy_match", ".3f"), ("len x", "trace_len_ratio", ".2f"),
-                 ("H2D B/tok", "h2d_bytes_per_token", ".0f"), ("HBM", "resident_hbm", ".2f")]
+                 ("H2D B/tok", "h2d_bytes_per_token", ".0f"),
+                 ("used B/tok", "h2d_used_bytes_per_token", ".0f"),
+                 ("cold tok/step", "cold_tokens_per_step", ".1f"),
+                 ("HBM held", "hbm_held", ".3f"), ("key tier", "key_tier", ".3f")]
 
 
-def _plan(spec: ReasoningSpec, max_context: int) -> dict[str, list[dict]]:
-    def run(method, hbm):
-        cfg = method_config(method, hbm, page_size=spec.page_size, max_context=max_context,
-                            backend=spec.backend, seed=spec.seed) if method != "full" else None
+def _plan(spec: ReasoningSpec, max_context: int,
+          shortest: dict[str, int]) -> dict[str, list[dict]]:
+    """The runs of every section, each method at equal HBM bytes (an infeasible cell is
+    listed with its reason and not run); ``shortest``: the shortest prompt of each task."""
+    def run(method, hbm, task):
+        cell = plan_cell(method, hbm, prompt_tokens=shortest[task], page_size=spec.page_size,
+                         max_context=max_context, backend=spec.backend, seed=spec.seed)
         return {"method": method, "hbm": 1.0 if method == "full" else hbm,
-                "evict": evict_ratio(method, hbm),
-                "config": cfg, "oracle": method == "oracle"}
+                "evict": evict_ratio(method, hbm), "config": cell.config,
+                "oracle": method == "oracle", "feasible": cell.feasible, "reason": cell.reason,
+                "held": 1.0 if method == "full" else min(hbm, cell.resident + cell.key_tier),
+                "key_tier": cell.key_tier}
 
     others = [m for m in spec.methods if m != "full"]
-    main = [run("full", 1.0)] + [run(m, h) for m in others for h in spec.budgets]
-    grid = [{"method": "h2o+offload", "hbm": h, "evict": e, "oracle": False,
+    main = [run("full", 1.0, "main")] + [run(m, h, "main") for m in others
+                                         for h in spec.budgets]
+    grid = [{"method": "h2o+offload", "hbm": h, "evict": e, "oracle": False, "held": h,
+             "key_tier": 0.0,
              "config": grid_config(h, e, page_size=spec.page_size, max_context=max_context,
                                    backend=spec.backend)}
             for e in spec.grid_evict for h in spec.grid_hbm]
-    control = [run("full", 1.0)] + [run(m, spec.control_budget) for m in others]
-    return {"main": main, "grid": grid, "one_hop": control, "filler": control}
+    control = {task: [run("full", 1.0, task)] + [run(m, spec.control_budget, task)
+                                                 for m in others]
+               for task in ("one_hop", "filler")}
+    return {"main": main, "grid": grid, **control}
 
 
 def run_reasoning(spec: ReasoningSpec | None = None, *, model_dir: str | Path | None = None,
@@ -285,7 +316,8 @@ def run_reasoning(spec: ReasoningSpec | None = None, *, model_dir: str | Path | 
     longest = max(len(e.prompt) for ex in examples.values() for e in ex)
     steps = max(cfg.hop_range[1] for cfg in task_cfgs.values()) + 4  # room to over-generate
     max_context = -(-(longest + steps + spec.page_size) // spec.page_size) * spec.page_size
-    plan = _plan(spec, max_context)
+    shortest = {name: min(len(e.prompt) for e in ex) for name, ex in examples.items()}
+    plan = _plan(spec, max_context, shortest)
     cells = []
     sections = [("main", "main"), ("grid", "main"), ("one_hop", "one_hop"),
                 ("filler", "filler")]

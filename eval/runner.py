@@ -120,8 +120,10 @@ def decode(model, prompts: list[list[int]], config: TierConfig | None, *, steps:
 
 def oracle_evict(cache, pad: list[int], lengths: list[int], keep: list[list[tuple[int, int]]],
                  fraction: float, seed: int) -> None:
-    """Drop prompt pages so that each sequence keeps ``fraction`` of its prompt: the sink page,
-    the recent window, the pages overlapping ``keep`` spans, then random others up to the budget.
+    """Drop prompt pages so that each sequence keeps at most ``fraction`` of its prompt (whole
+    pages, rounded down): the sink page, the recent window and the page being filled, then the
+    pages overlapping ``keep`` spans in order while the budget lasts, then random others up to
+    the budget.
 
     Every layer drops the same pages (the oracle knows the task, not the layer). The random
     pages depend only on ``seed`` and the item, not on the batch it is decoded in.
@@ -132,13 +134,15 @@ def oracle_evict(cache, pad: list[int], lengths: list[int], keep: list[list[tupl
         rng = random.Random(f"{seed}:{n}:{keep[b]}")
         first, last = p // ps, (p + n - 1) // ps
         pages = list(range(first, last + 1))
-        budget = max(1, -(-int(round(fraction * n)) // ps))
-        must = set(pages[:cfg.sink_pages]) | set(pages[max(0, len(pages) - cfg.recent_pages - 1):])
+        budget = int(round(fraction * n)) // ps
+        kept = set(pages[:cfg.sink_pages]) | set(pages[max(0, len(pages) - cfg.recent_pages - 1):])
         for s, e in keep[b]:
-            must |= set(range((p + s) // ps, (p + e - 1) // ps + 1))
-        others = [pg for pg in pages if pg not in must]
+            for pg in range((p + s) // ps, (p + e - 1) // ps + 1):
+                if len(kept) < budget:
+                    kept.add(pg)
+        others = [pg for pg in pages if pg not in kept]
         rng.shuffle(others)
-        kept = must | set(others[:max(0, budget - len(must))])
+        kept |= set(others[:max(0, budget - len(kept))])
         drop = [pg for pg in pages if pg not in kept]
         if drop:
             for layer in range(rt.num_layers):

@@ -25,6 +25,7 @@ from tierattn.kernels.prefill import (
     paged_prefill_reference,
 )
 from tierattn.kernels.score import quest_score, quest_score_reference
+from tierattn.kernels.sketch import quantize_keys, sketch_score, sketch_score_reference
 
 __all__ = [
     "DecodeOutput",
@@ -44,8 +45,11 @@ __all__ = [
     "paged_prefill",
     "paged_prefill_mass",
     "paged_prefill_reference",
+    "quantize_keys",
     "quest_score",
     "quest_score_reference",
+    "sketch_score",
+    "sketch_score_reference",
     "sparse_decode",
     "sparse_decode_reference",
 ]

@@ -308,4 +308,5 @@ class TieredCache(Cache):
             layers = [parts[r][local] for r, local in self.where]
             out = {"total": summarize(layers), "layers": layers}
             out["total"]["page_bytes"] = self.runtime.page_bytes
+            out["total"]["page_size"] = self.runtime.page_size
         return all_ranks_stats(out) if all_ranks else out

@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from tierattn.eval.methods import METHODS, grid_config, method_config
+from tierattn.eval.methods import (METHODS, grid_config, key_tier_fraction, method_config,
+                                   plan_cell)
 from tierattn.eval.metrics import (first_divergence, kl_summary, mcnemar, token_kl, trace_length,
                                    wilson)
 from tierattn.eval.report import format_table, new_results_dir, write_csv
@@ -63,19 +64,35 @@ def test_results_folders_are_never_overwritten(tmp_path):
     assert "0.50" in table and table.splitlines()[-1].split()[-1] == "-"
 
 
-def test_method_configs_share_one_budget():
+def test_method_configs_hold_equal_hbm_bytes():
     for m in METHODS:
-        cfg = method_config(m, 0.25)
+        cfg = method_config(m, 0.5)
         if m == "full":
             assert cfg is None
-        elif m == "topk":
-            assert cfg.hot_budget + cfg.recall_budget == pytest.approx(0.25)
+        elif m in ("topk", "topk-quest"):  # resident pages + key tier = the budget
+            assert cfg.hot_budget + key_tier_fraction(cfg) == pytest.approx(0.5)
+            assert cfg.recall_score == ("sketch" if m == "topk" else "quest")
+            assert cfg.budget_rounding == "down" and cfg.sink_pages == 0
         elif m == "oracle":
             assert cfg.evict_budget == 0 and len(cfg.tiers) == 1
         elif m.startswith("evict"):
-            assert (cfg.hot_budget, cfg.evict_budget) == (0.25, 0.75) and len(cfg.tiers) == 1
+            assert (cfg.hot_budget, cfg.evict_budget) == (0.5, 0.5) and len(cfg.tiers) == 1
+            assert cfg.budget_rounding == "down" and key_tier_fraction(cfg) == 0
         else:
-            assert cfg.hot_budget == 0.25 and cfg.evict_budget == 0 and cfg.attend == "all"
+            assert cfg.hot_budget == 0.5 and cfg.evict_budget == 0 and cfg.attend == "all"
+            assert key_tier_fraction(cfg) == 0  # offload keeps no key range
+    # the 4-bit sketch: 4 of the 32 bits of a key and value channel; Quest's range: 2 rows/page
+    assert key_tier_fraction(method_config("topk", 0.5)) == pytest.approx(0.125)
+    assert key_tier_fraction(method_config("topk-quest", 0.5, page_size=16)) == \
+        pytest.approx(0.0625)
+    assert method_config("topk", 0.5).prefetch == "none"
+    # feasibility: must-hot pages inside the resident share of the shortest prompt
+    assert plan_cell("evict-h2o", 0.25, prompt_tokens=290).feasible  # 2 of 9 pages
+    assert plan_cell("topk", 0.25, prompt_tokens=290).feasible  # 4 pages of 12.5%
+    cell = plan_cell("topk", 0.15, prompt_tokens=290, page_size=16)
+    assert not cell.feasible and "must-hot" in cell.reason  # 2.5% of 290: no whole page
+    cell = plan_cell("topk", 0.1, prompt_tokens=290)
+    assert not cell.feasible and "key tier" in cell.reason
     assert method_config("evict-random", 0.5).evict_policy == "random"
     g = grid_config(0.2, 0.5)
     assert (g.hot_budget, g.evict_budget, g.evict_policy) == (0.2, 0.5, "h2o")
@@ -144,15 +161,20 @@ def test_oracle_keeps_the_needed_edges_and_drops_the_rest(reasoner):
             else "past_key_values"  # renamed during transformers 5.x
         model(input_ids=ids, use_cache=True, **{arg: cache})
         oracle_evict(cache, [0, 0], [len(p) for p in prompts], keep, 0.25, seed=0)
+    ps = cfg.page_size
     for b, e in enumerate(ex):
         for layer in range(model.config.num_hidden_layers):
             pos, _ = cache.runtime.gather(layer, b)
-            kept = set(pos.tolist())
-            assert all(set(range(s, t)) <= kept for s, t in e.needed_edges)
-            pages = math.ceil(len(e.prompt) / 16)
-            budget = math.ceil(0.25 * len(e.prompt) / 16)
-            live = len({p // 16 for p in kept})
-            assert live <= max(budget, 4 + len(e.needed_edges) * 2) and live < pages
+            kept = {p // ps for p in pos.tolist()}
+            pages = math.ceil(len(e.prompt) / ps)
+            budget = int(0.25 * len(e.prompt)) // ps  # capped: whole pages within 25%
+            assert len(kept) <= max(budget, 2) and len(kept) < pages
+            # the sink and last pages, then the needed edges' pages in order while room lasts
+            needed = list(dict.fromkeys(pg for s, t in e.needed_edges
+                                        for pg in range(s // ps, (t - 1) // ps + 1)))
+            room = budget - len({0, pages - 1})
+            assert {0, pages - 1} <= kept
+            assert set(needed[:max(0, room)]) <= kept
 
 
 def test_reasoning_eval_end_to_end(reasoner, tmp_path):
@@ -170,6 +192,9 @@ def test_reasoning_eval_end_to_end(reasoner, tmp_path):
     assert {c["section"] for c in cells} == {"main", "grid", "one_hop", "filler"}
     assert len([c for c in cells if c["section"] == "grid"]) == 9
     for c in cells:
+        if not c.get("feasible", True):
+            assert c["reason"]
+            continue
         assert 0 <= c["ci_low"] <= c["accuracy"] <= c["ci_high"] <= 1
         if c["method"] in ("full", "offload") or (c["section"] == "grid" and c["evict"] == 0):
             assert c["greedy_match"] == 1.0 and c["kl_max"] < 1e-5, c  # exact

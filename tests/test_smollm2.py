@@ -77,3 +77,20 @@ def test_fidelity_eval_small(smollm2, tmp_path):
     assert off["passkey_acc"] == rows["full"]["passkey_acc"]
     assert h2o["kl_mean"] > 10 * max(off["kl_mean"], 1e-9)
     assert (tmp_path / next(tmp_path.iterdir()).name / "results.json").exists()
+
+
+def test_fidelity_long_context_spec(smollm2, tmp_path):
+    """A long-context spec (no pointer items) runs; cells that cannot hold their must-hot pages
+    (offload: 2 pages > 10% of 192 tokens) or whose key tier alone exceeds the budget (topk)
+    are reported infeasible, not run over budget."""
+    from tierattn.eval.fidelity import long_context, run_fidelity
+
+    spec = long_context(256, budgets=(0.1,), methods=("offload", "topk"), segments=1,
+                        passkey_depths=(0.5,), passkey_trials=1, backend="torch")
+    assert spec.pointer_items == 0 and spec.prefix + spec.continuation == 256
+    result = run_fidelity(spec, out_root=tmp_path, model_and_tokenizer=smollm2)
+    rows = {c["method"]: c for c in result["cells"]}
+    assert rows["full"]["pointer_acc"] is None and rows["full"]["passkey_acc"] in (0.0, 1.0)
+    assert not rows["offload"]["feasible"] and "must-hot" in rows["offload"]["reason"]
+    assert not rows["topk"]["feasible"] and "key tier" in rows["topk"]["reason"]
+    assert result["pointer_example"] is None

@@ -140,17 +140,20 @@ class TieredKVCache:
                              max_pages=self.max_pages, page_size=p, sink_pages=config.sink_pages,
                              recent_pages=config.recent_pages, device=self.device,
                              staging_pages=self.staging_pages)
+        eviction = EVICTIONS[config.evict_policy] if config.evict_budget != 0 else None
         self.importance = Importance(
             self.pages, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-            snapkv_window=config.snapkv_window,
-            window_mass=config.evict_budget != 0 and EVICTIONS[config.evict_policy].window_mass,
+            snapkv_window=eviction.observation(config) if eviction else config.snapkv_window,
+            window_mass=eviction is not None and eviction.window_mass,
+            decode_window=eviction.decode_window(config) if eviction else 0,
             kernels=self.kernels, backend=self.backend, telemetry=self.telemetry,
-            engine=self.engine)
-        self.policies = build_policies(config, self.importance, self.pages)
+            engine=self.engine, key_range=config.key_range,
+            key_bits=config.key_bits if config.key_sketch else None)
+        self.mover = Mover(self.tiers, self.pages, self.engine, self.telemetry, self.device)
+        self.policies = build_policies(config, self.importance, self.pages, self.mover)
         if not self.policies.recall.exact:  # the tables carry the recall candidates
             self.pages.recall_pages = config.pages(config.recall_budget, self.max_pages,
                                                    config.max_context)
-        self.mover = Mover(self.tiers, self.pages, self.engine, self.telemetry, self.device)
         self.prefetcher = Prefetcher(num_layers=num_layers, staging_pages=self.staging_pages,
                                      page_shape=self.page_shape, dtype=dtype, device=self.device,
                                      pages=self.pages, mover=self.mover, engine=self.engine,
@@ -345,6 +348,7 @@ class TieredKVCache:
         filled, the budgets when a decision is due, the importance snapshot the next decision
         reads (taken a step ahead, asynchronously), and the next layer's prefetch."""
         tel, budgets, imp = self.telemetry.layers[layer], self.budgets, self.importance
+        imp.track(layer, decode)
         if decode:
             tel.decode_steps += 1
             imp.last_q[layer] = q1
@@ -453,7 +457,7 @@ class TieredKVCache:
             total = max(1, sum(counts.values()))
             fractions.append({t.kind: counts.get(t.kind, 0) / total for t in self.tiers})
         out = self.telemetry.stats(fractions)
-        out["total"]["page_bytes"] = self.page_bytes
+        out["total"]["page_bytes"], out["total"]["page_size"] = self.page_bytes, self.page_size
         return telemetry.all_ranks(out) if all_ranks else out
 
     # --- save and restore ------------------------------------------------------------------

@@ -23,8 +23,9 @@ __all__ = ["PRESETS", "TierConfig", "TierSpec"]
 
 Attend = Literal["all", "topk"]
 Score = Literal["mass", "quest", "hybrid"]
+RecallScore = Literal["sketch", "quest"]
 Prefetch = Literal["layer_ahead", "speculative", "none"]
-EvictPolicy = Literal["h2o", "streaming", "snapkv", "random"]
+EvictPolicy = Literal["h2o", "streaming", "snapkv", "snapkv-decode", "rkv", "random"]
 TIER_KINDS = ("hbm", "ddr", "cxl", "disk")
 
 
@@ -98,16 +99,27 @@ class TierConfig:
         recent_pages: trailing pages that are always hot (the recent window), besides the
             page being filled.
         attend: ``"all"`` fetches every demoted page back before attention (exact);
-            ``"topk"`` attends the hot set plus the ``recall_budget`` best cold pages by the
-            query-aware Quest bound (approximate, less traffic).
+            ``"topk"`` attends the hot set plus the ``recall_budget`` best cold pages by
+            ``recall_score`` (approximate, less traffic).
         recall_budget: tokens (int) or fraction (float) of cold pages recalled per step
             (``attend="topk"`` only).
+        recall_score: how ``attend="topk"`` ranks cold pages: ``"sketch"`` (the largest logit
+            of the query against every key of the page, from the key sketch: each page's keys
+            quantized to ``key_bits`` per channel, kept in HBM for every page) or ``"quest"``
+            (Quest's bound from the page's element-wise key range).
+        key_bits: bits per key channel of the key sketch (2, 4 or 8).
+        budget_rounding: ``"up"`` (default) gives a token budget the pages it touches;
+            ``"down"`` only the whole pages it covers, so a sequence never holds more than its
+            budget (an eval at equal budgets); the must-hot pages stay hot either way.
         score: importance used for demotion: accumulated attention ``"mass"``, the Quest
             bound of the latest query (``"quest"``), or ``"hybrid"`` (their normalised sum).
         evict_policy: which pages eviction drops: ``"h2o"`` (lowest accumulated attention,
             keeping heavy hitters and the recent window), ``"streaming"`` (everything but sinks
             and the recent window), ``"snapkv"`` (once, after prefill, by the pooled attention
-            of the prompt's last ``snapkv_window`` queries) or ``"random"``.
+            of the prompt's last ``snapkv_window`` queries), ``"snapkv-decode"`` (the same,
+            then re-scored by the last ``snapkv_window`` decode queries whenever the budget
+            binds while decoding), ``"rkv"`` (R-KV: attention of the last 8 queries less the
+            page's redundancy with later pages, whenever the budget binds) or ``"random"``.
         snapkv_window: observation window (queries) of SnapKV.
         snapkv_kernel: max-pooling width (pages) of SnapKV's scores.
         prefetch: ``"layer_ahead"`` (while layer l runs, bring what layer l+1 needs: all its
@@ -133,6 +145,9 @@ class TierConfig:
     recent_pages: int = 2
     attend: Attend = "all"
     recall_budget: int | float = 0.1
+    recall_score: RecallScore = "sketch"
+    key_bits: int = 4
+    budget_rounding: Literal["up", "down"] = "up"
     score: Score = "mass"
     evict_policy: EvictPolicy = "h2o"
     snapkv_window: int = 32
@@ -167,8 +182,12 @@ class TierConfig:
             v = getattr(self, knob)
             if not _is_int(v) or v < 0:
                 fail(knob, f"must be an int >= 0, got {v!r}.")
+        if self.key_bits not in (2, 4, 8) or isinstance(self.key_bits, bool):
+            fail("key_bits", f"must be 2, 4 or 8, got {self.key_bits!r}.")
         choices = {"attend": ("all", "topk"), "score": ("mass", "quest", "hybrid"),
-                   "evict_policy": ("h2o", "streaming", "snapkv", "random"),
+                   "recall_score": ("sketch", "quest"), "budget_rounding": ("up", "down"),
+                   "evict_policy": ("h2o", "streaming", "snapkv", "snapkv-decode", "rkv",
+                                    "random"),
                    "prefetch": ("layer_ahead", "speculative", "none"),
                    "backend": ("auto", "triton", "torch")}
         for knob, allowed in choices.items():
@@ -207,6 +226,18 @@ class TierConfig:
             fail("cuda_graphs", f"must be True or False, got {self.cuda_graphs!r}.")
         object.__setattr__(self, "tiers", tiers)
 
+    @property
+    def key_range(self) -> bool:
+        """Whether every page keeps its element-wise key range (Quest metadata: a demotion or
+        recall score reads it)."""
+        return self.score in ("quest", "hybrid") or (self.attend == "topk" and
+                                                     self.recall_score == "quest")
+
+    @property
+    def key_sketch(self) -> bool:
+        """Whether every page keeps its key sketch (``attend="topk"`` ranked by the sketch)."""
+        return self.attend == "topk" and self.recall_score == "sketch"
+
     def demotes(self) -> bool:
         """True when some tokens may have to live below HBM (neither hot nor evicted)."""
         hot, evict = self.hot_budget, self.evict_budget
@@ -237,8 +268,10 @@ class TierConfig:
 
     def pages(self, budget: int | float, num_pages: int, num_tokens: int) -> int:
         """Pages a token/fraction ``budget`` allows for a sequence of ``num_tokens`` tokens."""
-        tokens = budget * num_tokens if isinstance(budget, float) else budget
-        return min(num_pages, -(-int(round(tokens)) // self.page_size) if tokens > 0 else 0)
+        tokens = int(round(budget * num_tokens if isinstance(budget, float) else budget))
+        if self.budget_rounding == "down":
+            return min(num_pages, tokens // self.page_size)
+        return min(num_pages, -(-tokens // self.page_size) if tokens > 0 else 0)
 
 
 #: Named presets. The eviction presets drop everything that is not hot (``evict_budget`` is
@@ -246,11 +279,15 @@ class TierConfig:
 PRESETS: dict[str, dict] = {
     "dense": {"hot_budget": 1.0, "tiers": _tiers("hbm")},
     "offload": {"hot_budget": 0.5, "attend": "all", "score": "mass"},
-    "topk": {"hot_budget": 0.25, "attend": "topk", "recall_budget": 0.1, "score": "mass"},
+    "topk": {"hot_budget": 0.25, "attend": "topk", "recall_budget": 0.2, "score": "mass"},
     "evict-h2o": {"hot_budget": 0.5, "evict_budget": 0.5, "evict_policy": "h2o",
                   "tiers": _tiers("hbm")},
     "evict-streaming": {"hot_budget": 0.5, "evict_budget": 0.5, "evict_policy": "streaming",
                         "tiers": _tiers("hbm")},
     "evict-snapkv": {"hot_budget": 0.5, "evict_budget": 0.5, "evict_policy": "snapkv",
                      "tiers": _tiers("hbm")},
+    "evict-snapkv-decode": {"hot_budget": 0.5, "evict_budget": 0.5,
+                            "evict_policy": "snapkv-decode", "tiers": _tiers("hbm")},
+    "evict-rkv": {"hot_budget": 0.5, "evict_budget": 0.5, "evict_policy": "rkv",
+                  "tiers": _tiers("hbm")},
 }

@@ -5,9 +5,12 @@ Per layer, ``mass`` accumulates each page's attention mass on the device (flat
 trash row for unused table entries). A decode step scatters every attended page's LSE into one
 per-page buffer (``page_lse``, written by the attention kernels themselves); one kernel merges
 the step's partial states and adds the mass under the merged LSE; nothing is read back.
-``snap`` holds SnapKV's observation-window mass of the last prefill chunk. The Quest metadata of
-*every* page (element-wise ``kmin``/``kmax`` of its keys, per KV head) stays on the device, so
-cold pages can be scored without moving them.
+``snap`` holds SnapKV's observation-window mass of the last prefill chunk. Where a policy needs
+them, the key range of *every* page (Quest metadata: element-wise ``kmin``/``kmax`` of its keys,
+per KV head) and its key sketch (every key quantized into that range,
+:mod:`tierattn.kernels.sketch`) stay on the device, so cold pages are scored without moving
+them; both are written when a page is filled (or a prompt chunk lands) and count in HBM
+(:meth:`Importance.key_tier_bytes`).
 
 Policies rank pages on the host from a **snapshot**: when a structural decision is due at the
 next step (a page filled, an eviction target grows), :meth:`Importance.snapshot` copies what the
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tierattn.kernels import KernelSet, PageTable
+from tierattn.kernels.sketch import quantize_keys, sketch_width
 from tierattn.pagemap import DeviceTable, PageMap
 from tierattn.telemetry import Telemetry
 from tierattn.transfer import TransferEngine
@@ -37,7 +41,8 @@ class HostImportance:
     mass: torch.Tensor
     snap: torch.Tensor | None
     bound: torch.Tensor | None  # Quest bound of the latest decode query (None: none yet)
-    tickets: list  # the transfer engine's tickets of the copies
+    recent: torch.Tensor | None = None  # mass of the last decode_window decode queries
+    tickets: list = None  # the transfer engine's tickets of the copies
 
     def ready(self, engine: TransferEngine) -> HostImportance:
         for ticket in self.tickets:
@@ -54,21 +59,46 @@ class Importance:
         num_kv_heads, head_dim, dtype: of the keys (metadata is kept in the KV dtype).
         snapkv_window: SnapKV's observation window (queries).
         window_mass: keep SnapKV's window mass (an eviction policy reads it).
+        key_range: keep every page's key range (Quest metadata).
+        key_bits: keep every page's key sketch at this many bits per channel (None: no
+            sketch), quantized in one range per layer, KV head and channel.
+        decode_window: keep the attention mass of the last ``decode_window`` decode queries
+            per page (0: none; decode-time eviction policies read it).
         kernels, backend, telemetry: kernel entry points, their backend, launch counters.
         engine: the transfer engine (its asynchronous device-to-host copies take snapshots).
     """
 
     def __init__(self, pages: PageMap, *, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  snapkv_window: int, window_mass: bool, kernels: KernelSet, backend: str,
-                 telemetry: Telemetry, engine: TransferEngine) -> None:
+                 telemetry: Telemetry, engine: TransferEngine, key_range: bool = True,
+                 key_bits: int | None = None, decode_window: int = 0) -> None:
         self.pages, self.kernels, self.backend, self.telemetry = pages, kernels, backend, telemetry
         self.engine = engine
         self.snapkv_window, self.num_kv_heads = snapkv_window, num_kv_heads
         b, mp, n, dev = pages.batch_size, pages.max_pages, pages.num_layers, pages.device
-        self.kmin = torch.zeros(n, b * mp, num_kv_heads, head_dim, dtype=dtype, device=dev)
-        self.kmax = torch.zeros_like(self.kmin)
+        self.kmin = self.kmax = self.codes = None
+        if key_range:
+            self.kmin = torch.zeros(n, b * mp, num_kv_heads, head_dim, dtype=dtype, device=dev)
+            self.kmax = torch.zeros_like(self.kmin)
+        self.key_bits = key_bits
+        if key_bits is not None:
+            width = sketch_width(head_dim, key_bits)
+            self.codes = torch.zeros(n, b * mp, num_kv_heads, pages.page_size, width,
+                                     dtype=torch.uint8, device=dev)
+            # the sketch's quantization range: per layer, KV head and channel, set from the
+            # first keys the layer stores (the prompt), widened by SKETCH_MARGIN on each side;
+            # later keys outside it are clamped
+            self.sk_lo = torch.zeros(n, num_kv_heads, head_dim, device=dev)
+            self.sk_hi = torch.zeros_like(self.sk_lo)
+        self._sk_set = [False] * n
         self.mass = torch.zeros(n, b * mp + 1, dtype=torch.float32, device=dev)
         self.snap = torch.zeros_like(self.mass) if window_mass else None
+        # the last decode_window steps' mass per page (a ring), and the mass they started from
+        self.recent = torch.zeros(n, decode_window, b * mp + 1, device=dev) \
+            if decode_window else None
+        self._prev = torch.zeros_like(self.mass) if decode_window else None
+        self._ring = [0] * n  # next ring slot per layer
+        self.decode_steps = [0] * n  # decode steps tracked per layer
         self.last_q: list[torch.Tensor | None] = [None] * n  # [B, H_q, D] latest decode query
         self.page_lse: torch.Tensor | None = None  # [B * max_pages + 1, H_q], built on first use
         self._pending = False  # page_lse holds a step's scatter not merged yet
@@ -81,7 +111,7 @@ class Importance:
                                   last_page_len=torch.ones(b, dtype=torch.int32, device=dev))
         self._host: list[HostImportance | None] = [None] * n
         pinned = dev.type == "cuda"
-        self._host_bufs = [torch.zeros(3, b, mp, pin_memory=pinned) for _ in range(n)]
+        self._host_bufs = [torch.zeros(4, b, mp, pin_memory=pinned) for _ in range(n)]
 
     def of(self, layer: int) -> torch.Tensor:
         """``[B, max_pages]`` view of ``layer``'s accumulated mass (on the device)."""
@@ -90,14 +120,34 @@ class Importance:
 
     def reset(self) -> None:
         self.mass.zero_()
-        if self.snap is not None:
-            self.snap.zero_()
+        for t in (self.snap, self.recent, self._prev):
+            if t is not None:
+                t.zero_()
+        self._ring = [0] * self.pages.num_layers
+        self.decode_steps = [0] * self.pages.num_layers
+        self._sk_set = [False] * self.pages.num_layers
         self.last_q = [None] * self.pages.num_layers
         self._host = [None] * self.pages.num_layers
 
     def clear_sequence(self, sequence: int) -> None:
         mp = self.pages.max_pages
-        self.mass[:, sequence * mp:(sequence + 1) * mp] = 0
+        rows = slice(sequence * mp, (sequence + 1) * mp)
+        for t in (self.mass, self.snap, self._prev):
+            if t is not None:
+                t[:, rows] = 0
+        if self.recent is not None:
+            self.recent[:, :, rows] = 0
+
+    def track(self, layer: int, decode: bool) -> None:
+        """After an attention call: a decode step's page mass enters the ring of the last
+        ``decode_window`` steps (device ops, no host read); a prompt chunk's does not."""
+        if self.recent is None:
+            return
+        if decode:
+            self.recent[layer, self._ring[layer]] = self.mass[layer] - self._prev[layer]
+            self._ring[layer] = (self._ring[layer] + 1) % self.recent.shape[1]
+            self.decode_steps[layer] += 1
+        self._prev[layer].copy_(self.mass[layer])
 
     # --- attention mass ------------------------------------------------------------------------
 
@@ -166,14 +216,59 @@ class Importance:
 
     def write_metadata(self, layer: int, pool: torch.Tensor, slots: torch.Tensor,
                        lens: torch.Tensor, rows: torch.Tensor) -> None:
-        """Quest ``kmin``/``kmax`` of pages ``pool[slots[i]]`` (``lens[i]`` tokens) into
-        metadata rows ``rows[i]`` (``b * max_pages + page``)."""
+        """Key range (Quest ``kmin``/``kmax``) and key sketch of pages ``pool[slots[i]]``
+        (``lens[i]`` tokens) into metadata rows ``rows[i]`` (``b * max_pages + page``); nothing
+        when no policy reads them."""
         dev = self.pages.device
-        self.kernels.page_metadata(pool, slots.to(dev, torch.int32), lens.to(dev, torch.int32),
-                                   kmin=self.kmin[layer], kmax=self.kmax[layer],
-                                   rows=rows.to(dev, torch.int32), validate=False,
-                                   backend=self.backend)
+        rows = rows.to(dev, torch.int32)
+        if self.kmin is not None:
+            self.kernels.page_metadata(pool, slots.to(dev, torch.int32),
+                                       lens.to(dev, torch.int32), kmin=self.kmin[layer],
+                                       kmax=self.kmax[layer], rows=rows, validate=False,
+                                       backend=self.backend)
+            self.telemetry.layers[layer].kernel_launches += 1
+        if self.codes is not None and slots.numel():  # rare (a page filled): no host read
+            keys = pool[slots.to(pool.device).long(), 0]  # [n, P, H_kv, D]
+            if not self._sk_set[layer]:
+                self._set_sketch_range(layer, keys, lens.to(keys.device))
+            n = keys.shape[0]
+            lo, hi = self.sk_lo[layer].expand(n, -1, -1), self.sk_hi[layer].expand(n, -1, -1)
+            self.codes[layer, rows.long()] = quantize_keys(keys, lo, hi, bits=self.key_bits)
+
+    #: how far the sketch's range reaches past the first keys' range, on each side
+    SKETCH_MARGIN = 0.1
+
+    def _set_sketch_range(self, layer: int, keys: torch.Tensor, lens: torch.Tensor) -> None:
+        """The sketch range of ``layer`` from its first keys ``[n, P, H_kv, D]`` (``lens[i]``
+        tokens of page ``i``), widened by :data:`SKETCH_MARGIN` of its span on each side."""
+        valid = (torch.arange(keys.shape[1], device=keys.device)[None, :] < lens[:, None])
+        v = valid[:, :, None, None]
+        lo = torch.where(v, keys.float(), float("inf")).amin(dim=(0, 1))
+        hi = torch.where(v, keys.float(), float("-inf")).amax(dim=(0, 1))
+        span = (hi - lo) * self.SKETCH_MARGIN
+        self.sk_lo[layer] = (lo - span).to(self.sk_lo.device)
+        self.sk_hi[layer] = (hi + span).to(self.sk_hi.device)
+        self._sk_set[layer] = True
+
+    def key_tier_bytes(self, pages: int) -> int:
+        """HBM bytes the key range and key sketch of ``pages`` pages take (per layer)."""
+        per = 0
+        if self.kmin is not None:
+            per += 2 * self.kmin[0, 0].numel() * self.kmin.element_size()
+        if self.codes is not None:
+            per += self.codes[0, 0].numel()
+        return pages * per
+
+    def sketch_score(self, layer: int, q: torch.Tensor, table: PageTable) -> torch.Tensor:
+        """Key-sketch score ``[nnz, H_kv]`` (largest estimated logit of the page) of query
+        ``q [B, H_q, D]`` for the metadata rows ``table`` lists (on the device)."""
         self.telemetry.layers[layer].kernel_launches += 1
+        rows = self.codes.shape[1]
+        return self.kernels.sketch_score(q, self.codes[layer],
+                                         self.sk_lo[layer].to(q.dtype).expand(rows, -1, -1),
+                                         self.sk_hi[layer].to(q.dtype).expand(rows, -1, -1),
+                                         table, bits=self.key_bits, validate=False,
+                                         backend=self.backend)
 
     def quest_bound(self, layer: int, q: torch.Tensor, table: PageTable) -> torch.Tensor:
         """Quest bound ``[nnz, H_kv]`` of query ``q [B, H_q, D]`` for the metadata rows
@@ -197,8 +292,13 @@ class Importance:
         if have_bound:
             scores = self.quest_bound(layer, q, self.per_page).max(-1).values.view(b, mp)
             tickets.append(self.engine.to_host(scores, buf[2]))
+        have_recent = self.recent is not None and self.decode_steps[layer] > 0
+        if have_recent:
+            recent = self.recent[layer].sum(0)[:b * mp].view(b, mp)
+            tickets.append(self.engine.to_host(recent, buf[3]))
         self._host[layer] = HostImportance(buf[0], buf[1] if self.snap is not None else None,
-                                           buf[2] if have_bound else None, tickets)
+                                           buf[2] if have_bound else None,
+                                           buf[3] if have_recent else None, tickets)
 
     def host(self, layer: int, *, bound: bool = False, fresh: bool = False) -> HostImportance:
         """The latest snapshot of ``layer`` (taken now if there is none, or with ``fresh``)."""
@@ -211,10 +311,14 @@ class Importance:
     def reorder(self, index: torch.Tensor) -> None:
         """Sequence ``i`` takes old sequence ``index[i]``'s importance and metadata."""
         b, mp = self.pages.batch_size, self.pages.max_pages
-        src = (index[:, None] * mp + torch.arange(mp)).flatten().to(self.kmin.device)
-        for t in [self.mass] + ([self.snap] if self.snap is not None else []):
-            t[:, :b * mp] = t[:, src]
-        self.kmin[:] = self.kmin[:, src]
-        self.kmax[:] = self.kmax[:, src]
+        src = (index[:, None] * mp + torch.arange(mp)).flatten().to(self.mass.device)
+        for t in (self.mass, self.snap, self._prev):
+            if t is not None:
+                t[:, :b * mp] = t[:, src]
+        if self.recent is not None:
+            self.recent[:, :, :b * mp] = self.recent[:, :, src]
+        for t in (self.kmin, self.kmax, self.codes):
+            if t is not None:
+                t[:] = t[:, src]
         self._host = [None] * self.pages.num_layers
         self.last_q = [None] * self.pages.num_layers

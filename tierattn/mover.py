@@ -320,6 +320,22 @@ class Mover:
                                      (cols[sel] * self.page_size).tolist()).cpu()
         return out
 
+    def mean_keys(self, layer: int, n_pages: int) -> torch.Tensor:
+        """``[B, n_pages, H_kv, D]`` (CPU, fp32) mean key of every live page of ``layer`` over
+        its tokens (zeros where no page is stored): what a redundancy-aware policy compares.
+        Reads every live page once (a rare decision, not a decode step)."""
+        st, p = self.pages.layers[layer], self.page_size
+        hbm = self.tiers[HOT]
+        out = torch.zeros(self.pages.batch_size, n_pages, *hbm.page_shape[2:])
+        live = (st.tier[:, :n_pages] != NONE).nonzero()
+        if len(live):
+            rows, cols = live[:, 0], live[:, 1]
+            keys = self.read(layer, rows, cols)[:, 0].float()  # [n, P, H_kv, D]
+            valid = (cols[:, None] * p + torch.arange(p)) < st.length  # [n, P]
+            keys = keys * valid[:, :, None, None]
+            out[rows, cols] = keys.sum(1) / valid.sum(1).clamp_min(1)[:, None, None]
+        return out
+
     def write(self, layer: int, rows: torch.Tensor, cols: torch.Tensor, tiers: torch.Tensor,
               data: torch.Tensor) -> None:
         """Store ``data [n, *page_shape]`` as pages ``(rows[i], cols[i])`` in tier ``tiers[i]``

@@ -4,8 +4,10 @@ recalled; the :class:`~tierattn.mover.Mover` acts on their decisions.
 * demotion ranks (``TierConfig.score``): :class:`ByMass`, :class:`ByQuest`, :class:`Hybrid` --
   the lowest-ranked hot pages are demoted first;
 * eviction baselines (``TierConfig.evict_policy``): :class:`H2O`, :class:`StreamingLLM`,
-  :class:`SnapKV`, :class:`RandomEviction` -- the lowest-ranked live pages are dropped first;
-* recall (``TierConfig.attend``): :class:`AllCold` (exact), :class:`QuestTopK`.
+  :class:`SnapKV`, :class:`SnapKVDecode`, :class:`RKV`, :class:`RandomEviction` -- the
+  lowest-ranked live pages are dropped first;
+* recall (``TierConfig.attend``, ``recall_score``): :class:`AllCold` (exact),
+  :class:`SketchTopK` (the key sketch's largest logit per page), :class:`QuestTopK`.
 
 :func:`build_policies` is the only place that reads the config's policy names.
 :class:`Budgets` applies the hot and evict budgets with them after each attention call.
@@ -13,6 +15,7 @@ recalled; the :class:`~tierattn.mover.Mover` acts on their decisions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +26,10 @@ from tierattn.importance import Importance
 from tierattn.mover import Mover
 from tierattn.pagemap import HOT, NONE, LayerTables, PageMap
 
-__all__ = ["H2O", "AllCold", "Budgets", "ByMass", "ByQuest", "DemotionRank", "Eviction",
-           "Hybrid", "Policies", "QuestTopK", "RandomEviction", "Recall", "SnapKV",
-           "StreamingLLM", "DEMOTION_RANKS", "EVICTIONS", "RECALLS", "build_policies"]
+__all__ = ["H2O", "RKV", "AllCold", "Budgets", "ByMass", "ByQuest", "DemotionRank",
+           "Eviction", "Hybrid", "Policies", "QuestTopK", "RandomEviction", "Recall",
+           "SketchTopK", "SnapKV", "SnapKVDecode", "StreamingLLM", "DEMOTION_RANKS", "EVICTIONS",
+           "RECALLS", "build_policies"]
 
 
 # --- demotion ranks --------------------------------------------------------------------------
@@ -90,6 +94,17 @@ class Eviction:
     window_mass = False  # needs the prompt's observation-window mass (SnapKV)
     one_shot = False  # evicts once, when decoding starts, and keeps every later token
 
+    @classmethod
+    def observation(cls, config: TierConfig) -> int:
+        """Queries of its observation window (the prompt's last ones, and the last decode
+        steps' for a policy that re-scores while decoding; 0: none)."""
+        return config.snapkv_window if cls.window_mass else 0
+
+    @classmethod
+    def decode_window(cls, config: TierConfig) -> int:
+        """Decode steps whose page mass it reads (0: none)."""
+        return 0
+
     def __init__(self, importance: Importance, pages: PageMap) -> None:
         self.importance, self.pages = importance, pages
 
@@ -144,11 +159,81 @@ class SnapKV(Eviction):
         super().__init__(importance, pages)
         self.kernel = kernel
 
-    def rank(self, layer, n_pages):
-        snap = self.importance.host(layer).snap
+    def pooled(self, scores: torch.Tensor, n_pages: int) -> torch.Tensor:
         k = self.kernel
-        return torch.nn.functional.max_pool1d(snap[:, None, :n_pages], k, stride=1,
+        return torch.nn.functional.max_pool1d(scores[:, None, :n_pages], k, stride=1,
                                               padding=k // 2)[:, 0, :n_pages]
+
+    def rank(self, layer, n_pages):
+        return self.pooled(self.importance.host(layer).snap, n_pages)
+
+
+class SnapKVDecode(SnapKV):
+    """SnapKV re-scored as the trace grows (the decode-time variant reasoning-aware evaluations
+    use): the prompt is compressed as SnapKV does, and whenever the budget binds while decoding
+    the pages the last ``snapkv_window`` decode queries attend least (max-pooled over
+    ``kernel`` pages) are dropped."""
+
+    one_shot = False
+
+    @classmethod
+    def decode_window(cls, config):
+        return config.snapkv_window
+
+    def rank(self, layer, n_pages):
+        snap = self.importance.host(layer)
+        return self.pooled(snap.recent if snap.recent is not None else snap.snap, n_pages)
+
+
+class RKV(Eviction):
+    """R-KV (Cai et al., 2025: redundancy-aware KV compression for reasoning models), per page.
+
+    Whenever the budget binds (the prompt once it is in, then as the trace grows), each page
+    scores ``Z = lam * I - (1 - lam) * R`` and the lowest are dropped:
+
+    * importance ``I``: the attention the last ``WINDOW`` queries (the prompt's last ones, then
+      the latest decode steps') pay to the page, normalised to sum 1 per sequence;
+    * redundancy ``R``: per KV head, the cosine similarity of the page's mean key with the
+      others, pairs under ``THRESHOLD`` ignored and, as the authors' ``retain_direction="last"``
+      keeps the last of similar tokens, only *later* pages counted against a page (so the later
+      copy stays); its mean over the pages, a softmax over the sequence's pages, then the mean
+      over KV heads (one page selection serves every head here).
+
+    ``WINDOW = 8``, ``THRESHOLD = 0.5`` and ``lam = 0.1`` are the authors' defaults. Their
+    token-level selection becomes a page-level one (pages are the unit every tier moves), the
+    mean key of a page standing for its tokens, and their 7-token max-pooling of the attention
+    is within a page.
+    """
+
+    WINDOW = 8
+    THRESHOLD = 0.5
+    LAMBDA = 0.1
+    window_mass = True
+    needs_importance = True
+
+    def __init__(self, importance: Importance, pages: PageMap,
+                 page_keys: Callable[[int, int], torch.Tensor]) -> None:
+        super().__init__(importance, pages)
+        self.page_keys = page_keys  # (layer, n_pages) -> [B, n_pages, H_kv, D] mean keys
+
+    @classmethod
+    def observation(cls, config):
+        return cls.WINDOW
+
+    @classmethod
+    def decode_window(cls, config):
+        return cls.WINDOW
+
+    def rank(self, layer, n_pages):
+        snap = self.importance.host(layer)
+        imp = (snap.recent if snap.recent is not None else snap.snap)[:, :n_pages]
+        imp = imp / imp.sum(1, keepdim=True).clamp_min(1e-12)
+        keys = torch.nn.functional.normalize(self.page_keys(layer, n_pages).float(), dim=-1)
+        sim = torch.einsum("bphd,bqhd->bhpq", keys, keys)  # [B, H_kv, n, n] per head
+        later = torch.ones(n_pages, n_pages, dtype=torch.bool).triu(1)
+        sim = torch.where(later & (sim > self.THRESHOLD), sim, 0.0)
+        red = torch.softmax(sim.mean(-1), dim=-1).mean(1)  # [B, n]
+        return self.LAMBDA * imp - (1 - self.LAMBDA) * red
 
 
 # --- recall ------------------------------------------------------------------------------------
@@ -193,6 +278,18 @@ class QuestTopK(Recall):
         return bound.max(-1).values.view(b, mp)
 
 
+class SketchTopK(QuestTopK):
+    """The ``recall_budget`` cold pages whose keys give the query its largest logits, read from
+    the key sketch (every key of every page at ``key_bits`` per channel, in HBM): the query
+    heads of a GQA group and the page's keys reduced by max in the kernel, the selection
+    shared by the KV heads (max over them)."""
+
+    def scores(self, layer, q, tabs):
+        b, mp = self.pages.batch_size, self.pages.max_pages
+        score = self.importance.sketch_score(layer, q, tabs.candidates.table)
+        return score.max(-1).values.view(b, mp)
+
+
 # --- the budgets ---------------------------------------------------------------------------------
 
 @dataclass
@@ -206,17 +303,23 @@ class Policies:
 DEMOTION_RANKS: dict[str, type[DemotionRank]] = {"mass": ByMass, "quest": ByQuest,
                                                  "hybrid": Hybrid}
 EVICTIONS: dict[str, type[Eviction]] = {"h2o": H2O, "streaming": StreamingLLM,
-                                        "snapkv": SnapKV, "random": RandomEviction}
-RECALLS: dict[str, type[Recall]] = {"all": AllCold, "topk": QuestTopK}
+                                        "snapkv": SnapKV, "snapkv-decode": SnapKVDecode,
+                                        "rkv": RKV, "random": RandomEviction}
+#: ``attend="all"`` is :class:`AllCold`; ``attend="topk"`` ranks by ``recall_score``
+RECALLS: dict[str, type[Recall]] = {"all": AllCold, "quest": QuestTopK, "sketch": SketchTopK}
 
 
-def build_policies(config: TierConfig, importance: Importance, pages: PageMap) -> Policies:
+def build_policies(config: TierConfig, importance: Importance, pages: PageMap,
+                   mover: Mover) -> Policies:
     """The policy objects ``config`` names (the only place its policy names are read)."""
     kind = EVICTIONS[config.evict_policy]
     extra = {SnapKV: {"kernel": config.snapkv_kernel},
+             SnapKVDecode: {"kernel": config.snapkv_kernel},
+             RKV: {"page_keys": mover.mean_keys},
              RandomEviction: {"seed": config.seed}}.get(kind, {})
     return Policies(DEMOTION_RANKS[config.score](importance), kind(importance, pages, **extra),
-                    RECALLS[config.attend](importance, pages, config))
+                    RECALLS["all" if config.attend == "all" else config.recall_score](
+                        importance, pages, config))
 
 
 class Budgets:

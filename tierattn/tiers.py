@@ -313,7 +313,9 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
             need.setdefault(where, []).append((f"{spec.kind} pool", num_layers * cap * page_bytes))
     need.setdefault(dev, []).extend([
         ("staging ring", ring * staging_pages * page_bytes),
-        ("page metadata", 2 * num_layers * rows * page_shape[2] * page_shape[3] * itemsize)])
+        ("key range and sketch", num_layers * rows * page_shape[2] * page_shape[3] * (
+            (2 * itemsize if cfg.key_range else 0)
+            + (page_shape[1] * cfg.key_bits / 8 if cfg.key_sketch else 0)))])
     need.setdefault("cpu", []).append(("page tables", num_layers * rows * 10))
     for where, items in need.items():
         total = sum(n for _, n in items)

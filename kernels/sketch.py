@@ -1,0 +1,400 @@
+"""The key sketch: every page's keys quantized to a few bits per channel, kept in HBM, scored
+against a decode query to find the pages that query needs.
+
+Quest's bound (:mod:`.score`) ranks a page by ``sum_d max(q_d kmax_d, q_d kmin_d)``: for small
+head dims and pages of unrelated tokens it is too loose to single out the page a reasoning step
+needs. The sketch keeps, per page and KV head, every key of the page quantized per channel into
+a range ``[kmin, kmax]`` given per metadata row -- the page's own Quest range (tightest), or one
+range per KV head and channel shared by every page (the runtime's choice: the key tier is then
+the codes alone, ``bits / 32`` of 16-bit K+V, 12.5% at 4 bits):
+
+    code[j, c] = round((k[j, c] - kmin[c]) / (kmax[c] - kmin[c]) * L),   L = 2**bits - 1
+    k_hat[j, c] = kmin[c] + code[j, c] * (kmax[c] - kmin[c]) / L
+
+and scores the page by the largest estimated logit ``max_{g, j} q_g . k_hat_j`` over the ``G``
+query heads of the KV head's group and the page's keys (raw dot products: no ``sm_scale``, no
+softcap; both are monotonic).
+
+Layout: ``codes [num_meta, H_kv, P, W]`` uint8 with ``W = D * bits / 8`` bytes per key. Byte
+``w`` of a key holds the codes of channels ``w, w + W, w + 2W, ...`` at bit offsets
+``0, bits, 2 bits, ...`` (channel-blocked packing: a kernel reads a ``[P, W]`` byte tile and
+dots each bit-plane with a contiguous slice of the query).
+
+Kernel (:func:`sketch_score`): ``q . k_hat_j = q . kmin + sum_c code[j, c] (q_c step_c)`` with
+``step = (kmax - kmin) / L``, so per (entry, KV head) the ``G`` query heads give
+``base[g] = q_g . kmin`` and ``qs[g, c] = q_g[c] step[c]`` (both from the metadata row, read once
+per group). The ``[P, W]`` byte tile is read once and split into its ``8 / bits`` bit-planes,
+``code_i = (byte >> bits i) & L`` for the channels ``i W .. i W + W - 1``; laid side by side
+(plane-major) they line up with ``qs``, and ``base + codes . qs`` is reduced with ``max`` over the
+page's keys and the group's heads. One program per (sequence, KV head, split), streaming its share
+of the row in tiles of ``BLOCK_E`` entries and ``BLOCK_P`` keys, like :mod:`.score`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tierattn.errors import KernelInputError
+
+from ._common import (
+    Backend,
+    FLOAT_DTYPES,
+    check_gqa,
+    check_head_dim,
+    check_out,
+    check_tensor,
+    next_pow2,
+    resolve_backend,
+    triton_interpreting,
+)
+from .page_table import PageTable
+from .score import auto_score_splits
+
+__all__ = ["SKETCH_BITS", "quantize_keys", "sketch_bytes", "sketch_score",
+           "sketch_score_reference", "sketch_width", "unpack_keys"]
+
+#: code widths the sketch supports
+SKETCH_BITS = (2, 4, 8)
+#: most metadata rows per tile; fewer when ``G * P * D`` is large.
+MAX_BLOCK_E = 16
+#: target size of the ``[BLOCK_E, G, BLOCK_P, D]`` product tile (registers on GPU).
+TILE_ELEMENTS = 8192
+#: the same under the interpreter, where a tile costs its op count, not its registers.
+INTERPRET_MAX_BLOCK_E, INTERPRET_TILE_ELEMENTS = 64, 1 << 17
+#: launch parameters ``config=`` may set, each a power of two.
+CONFIG_KEYS = ("block_e", "block_p", "num_warps")
+
+
+@triton.jit
+def _sketch_score_kernel(
+    q_ptr, codes_ptr, kmin_ptr, kmax_ptr, indices_ptr, row_start_ptr, row_count_ptr, out_ptr,
+    num_meta, group, page_size, width,
+    stride_qb, stride_qh, stride_qd,
+    stride_c_row, stride_c_head, stride_c_p, stride_c_w,
+    stride_kmin_row, stride_kmin_head, stride_kmin_d,
+    stride_kmax_row, stride_kmax_head, stride_kmax_d,
+    stride_out_e, stride_out_h,
+    BITS: tl.constexpr, LEVELS: tl.constexpr, PLANES: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_s = tl.program_id(2).to(tl.int64)
+    num_splits = tl.num_programs(2)
+
+    row_start = tl.load(row_start_ptr + i_b).to(tl.int64)
+    row_count = tl.load(row_count_ptr + i_b).to(tl.int64)
+    per_split = tl.cdiv(row_count, num_splits)
+    e_begin = i_s * per_split
+    e_end = tl.minimum(e_begin + per_split, row_count)
+
+    o_e = tl.arange(0, BLOCK_E)
+    o_g = tl.arange(0, BLOCK_G)
+    o_p = tl.arange(0, BLOCK_P)
+    o_w = tl.arange(0, BLOCK_W)  # byte of a key
+    o_i = tl.arange(0, PLANES)  # bit-plane
+    # lane x of the plane-major channel axis holds plane x // BLOCK_W, byte x % BLOCK_W: channel
+    # (x // BLOCK_W) * W + x % BLOCK_W, or nothing when x % BLOCK_W >= W
+    o_x = tl.arange(0, PLANES * BLOCK_W)
+    o_xw = o_x % BLOCK_W
+    o_c = (o_x // BLOCK_W).to(tl.int64) * width + o_xw
+    m_x = o_xw < width
+    m_g = o_g < group
+    m_w = o_w < width
+    o_qh = i_h * group + o_g  # [BLOCK_G] query heads of this group
+
+    p_q = q_ptr + i_b * stride_qb + o_qh[:, None] * stride_qh + o_c[None, :] * stride_qd
+    b_q = tl.load(p_q, mask=m_g[:, None] & m_x[None, :], other=0.0).to(tl.float32)  # [BG, BX]
+
+    for e0 in range(e_begin, e_end, BLOCK_E):
+        m_e = (e0 + o_e) < e_end
+        b_id = tl.load(indices_ptr + row_start + e0 + o_e, mask=m_e, other=0).to(tl.int64)
+        # an out-of-range metadata row reads nothing and scores -inf (validate=True reports it)
+        m_id = m_e & (b_id >= 0) & (b_id < num_meta)
+        m_k = m_id[:, None] & m_x[None, :]
+        p_kmin = kmin_ptr + b_id[:, None] * stride_kmin_row + i_h * stride_kmin_head \
+            + o_c[None, :] * stride_kmin_d
+        p_kmax = kmax_ptr + b_id[:, None] * stride_kmax_row + i_h * stride_kmax_head \
+            + o_c[None, :] * stride_kmax_d
+        b_kmin = tl.load(p_kmin, mask=m_k, other=0.0).to(tl.float32)  # [BE, BX]
+        b_kmax = tl.load(p_kmax, mask=m_k, other=0.0).to(tl.float32)  # [BE, BX]
+        b_step = (b_kmax - b_kmin) / LEVELS
+        b_base = tl.sum(b_q[None, :, :] * b_kmin[:, None, :], axis=2)  # [BE, BG] q . kmin
+        b_qs = b_q[None, :, :] * b_step[:, None, :]  # [BE, BG, BX] q_c * step_c
+
+        b_best = tl.full([BLOCK_E], float("-inf"), dtype=tl.float32)
+        p_row = codes_ptr + b_id * stride_c_row + i_h * stride_c_head  # [BE]
+        for p0 in range(0, page_size, BLOCK_P):
+            m_p = (p0 + o_p) < page_size
+            p_c = p_row[:, None, None] + (p0 + o_p)[None, :, None].to(tl.int64) * stride_c_p \
+                + o_w[None, None, :] * stride_c_w
+            m_c = m_id[:, None, None] & m_p[None, :, None] & m_w[None, None, :]
+            b_byte = tl.load(p_c, mask=m_c, other=0).to(tl.int32)  # [BE, BP, BW], read once
+            b_code = (b_byte[:, :, None, :] >> (o_i * BITS)[None, None, :, None]) & LEVELS
+            b_code = tl.reshape(b_code, (BLOCK_E, BLOCK_P, PLANES * BLOCK_W)).to(tl.float32)
+            b_s = tl.sum(b_code[:, None, :, :] * b_qs[:, :, None, :], axis=3)  # [BE, BG, BP]
+            b_s = b_s + b_base[:, :, None]
+            b_s = tl.where(m_g[None, :, None] & m_p[None, None, :], b_s, float("-inf"))
+            b_best = tl.maximum(b_best, tl.max(tl.max(b_s, axis=2), axis=1))
+        b_score = tl.where(m_id, b_best, float("-inf"))
+        p_out = out_ptr + (row_start + e0 + o_e) * stride_out_e + i_h * stride_out_h
+        tl.store(p_out, b_score, mask=m_e)
+
+
+def sketch_width(head_dim: int, bits: int) -> int:
+    """Bytes per key of a ``head_dim`` head at ``bits`` per channel."""
+    if bits not in SKETCH_BITS:
+        raise KernelInputError(f"bits={bits!r} is not one of {SKETCH_BITS}.")
+    if (head_dim * bits) % 8:
+        raise KernelInputError(f"head_dim={head_dim} at bits={bits} is not a whole number of "
+                               "bytes per key.")
+    return head_dim * bits // 8
+
+
+def sketch_bytes(page_size: int, num_kv_heads: int, head_dim: int, bits: int) -> int:
+    """Bytes one page's sketch codes take (without the Quest metadata they share)."""
+    return page_size * num_kv_heads * sketch_width(head_dim, bits)
+
+
+def quantize_keys(keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *,
+                  bits: int) -> torch.Tensor:
+    """Codes of ``keys [n, P, H_kv, D]`` in the per-(page, head, channel) ranges ``kmin``,
+    ``kmax [n, H_kv, D]``: ``[n, H_kv, P, W]`` uint8 (on the keys' device, no host sync)."""
+    n, p, hkv, d = keys.shape
+    w = sketch_width(d, bits)
+    levels = (1 << bits) - 1
+    lo, hi = kmin.float()[:, :, None, :], kmax.float()[:, :, None, :]
+    k = keys.float().permute(0, 2, 1, 3)  # [n, H_kv, P, D]
+    span = hi - lo
+    scaled = torch.where(span > 0, (k - lo) / torch.where(span > 0, span, 1.0), 0.0)
+    code = torch.round(scaled * levels).clamp_(0, levels).to(torch.int32)
+    planes = code.view(n, hkv, p, 8 // bits, w)  # channel i * W + w -> plane i, byte w
+    shifts = torch.arange(8 // bits, device=keys.device, dtype=torch.int32) * bits
+    packed = (planes << shifts[:, None]).sum(dim=3)
+    return packed.to(torch.uint8)
+
+
+def unpack_keys(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *,
+                bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The dequantized keys ``k_hat [n, H_kv, P, D]`` of ``codes [n, H_kv, P, W]``."""
+    n, hkv, p, w = codes.shape
+    levels = (1 << bits) - 1
+    shifts = torch.arange(8 // bits, device=codes.device, dtype=torch.int32) * bits
+    code = (codes.to(torch.int32)[:, :, :, None, :] >> shifts[:, None]) & levels
+    code = code.reshape(n, hkv, p, w * (8 // bits)).to(dtype)
+    lo, hi = kmin.to(dtype)[:, :, None, :], kmax.to(dtype)[:, :, None, :]
+    return lo + code * (hi - lo) / levels
+
+
+def sketch_score_reference(q: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor,
+                           kmax: torch.Tensor, page_table: PageTable, *, bits: int,
+                           compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Plain-torch sketch score: ``[nnz, H_kv]`` ``max_{g, j} q_g . k_hat_j`` of each listed
+    metadata row (``-inf`` for entries outside every row), one row at a time.
+
+    Args:
+        q: ``[B, H_q, D]`` decode query.
+        codes: ``[num_meta, H_kv, P, W]`` uint8 (:func:`quantize_keys`); every listed page is
+            full (``P`` keys).
+        kmin, kmax: ``[num_meta, H_kv, D]`` the ranges the codes were made in.
+        page_table: one row per sequence listing metadata rows.
+        bits: the codes' width.
+        compute_dtype: default fp32 (fp64 for fp64 inputs).
+    """
+    batch, hq, d = q.shape
+    hkv = kmin.shape[1]
+    group = hq // hkv
+    dt = compute_dtype or torch.promote_types(q.dtype, torch.float32)
+    out = torch.full((page_table.indices.numel(), hkv), float("-inf"), dtype=dt,
+                     device=q.device)
+    starts, counts = page_table.row_start.tolist(), page_table.row_count.tolist()
+    for b, (start, count) in enumerate(zip(starts, counts)):
+        if count == 0:
+            continue
+        ids = page_table.indices[start:start + count].long()
+        k_hat = unpack_keys(codes[ids], kmin[ids], kmax[ids], bits=bits, dtype=dt)  # [n,H,P,D]
+        qb = q[b].to(dt).view(hkv, group, d)
+        logits = torch.einsum("hgd,nhpd->nhgp", qb, k_hat)
+        out[start:start + count] = logits.amax(dim=(2, 3))
+    return out
+
+
+def _default_config(group: int, page_size: int, head_dim: int, bits: int) -> dict[str, int]:
+    """Tiles of an unconfigured call: a ``[BLOCK_E, G, BLOCK_P, D]`` product of ~TILE_ELEMENTS
+    (``D`` padded per bit-plane), whole pages when they fit."""
+    tile, most_e = ((INTERPRET_TILE_ELEMENTS, INTERPRET_MAX_BLOCK_E) if triton_interpreting()
+                    else (TILE_ELEMENTS, MAX_BLOCK_E))
+    per_key = next_pow2(group) * (8 // bits) * next_pow2(sketch_width(head_dim, bits))
+    block_p = max(1, min(next_pow2(page_size), tile // per_key))
+    block_p = 1 << (block_p.bit_length() - 1)  # a power of two
+    block_e = max(1, min(most_e, tile // (per_key * block_p)))
+    return {"block_e": 1 << (block_e.bit_length() - 1), "block_p": block_p}
+
+
+def _check_config(config: dict[str, int] | None) -> dict[str, int]:
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise KernelInputError(f"config must be a dict of {CONFIG_KEYS}, got "
+                               f"{type(config).__name__}.")
+    for key, value in config.items():
+        if key not in CONFIG_KEYS:
+            raise KernelInputError(f"config key {key!r} is not one of {CONFIG_KEYS}.")
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1
+                and value & (value - 1) == 0):
+            raise KernelInputError(f"config[{key!r}]={value!r} must be a power of two >= 1.")
+    return dict(config)
+
+
+def _check_sketch_inputs(q, codes, kmin, kmax, page_table, bits):
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("codes", codes, ndim=4, dtypes=(torch.uint8,), device=q.device)
+    check_tensor("kmin", kmin, ndim=3, dtypes=(q.dtype,), device=q.device)
+    check_tensor("kmax", kmax, ndim=3, dtypes=(q.dtype,), device=q.device)
+    if kmin.shape != kmax.shape:
+        raise KernelInputError(
+            f"kmin has shape {list(kmin.shape)} but kmax has {list(kmax.shape)}; both are "
+            "[num_meta, H_kv, D].")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SKETCH_BITS:
+        raise KernelInputError(f"bits={bits!r} is not one of {SKETCH_BITS}.")
+    batch, hq, d = q.shape
+    num_meta, hkv, meta_d = kmin.shape
+    check_head_dim("q", d)
+    if meta_d != d:
+        raise KernelInputError(f"q has head dim {d} but kmin/kmax have {meta_d}.")
+    if (d * bits) % 8:
+        raise KernelInputError(
+            f"q has head dim {d}: at bits={bits} a key is not a whole number of bytes "
+            "(D * bits must be a multiple of 8); use another bits.")
+    width = d * bits // 8
+    group = check_gqa(hq, hkv)
+    if codes.shape[0] != num_meta or codes.shape[1] != hkv or codes.shape[3] != width:
+        raise KernelInputError(
+            f"codes must have shape [num_meta={num_meta}, H_kv={hkv}, P, W={width}] (W = D * "
+            f"bits / 8 = {d} * {bits} / 8, from quantize_keys), got {list(codes.shape)}.")
+    if codes.shape[2] < 1:
+        raise KernelInputError("codes has page size 0; pages hold at least one key.")
+    if not isinstance(page_table, PageTable):
+        raise KernelInputError(
+            "page_table must be a PageTable whose indices are metadata rows; build it with "
+            "PageTable.from_csr(indptr, indices, last_page_len) or PageTable.from_padded(...).")
+    if page_table.device != q.device:
+        raise KernelInputError(f"page_table is on {page_table.device} but q is on {q.device}.")
+    if page_table.num_rows != batch:
+        raise KernelInputError(
+            f"page_table has {page_table.num_rows} rows; sketch_score needs one per sequence "
+            f"(B={batch}).")
+    return batch, d, num_meta, hkv, group, codes.shape[2]
+
+
+def _sketch_score_torch(q: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor,
+                        kmax: torch.Tensor, page_table: PageTable, *, bits: int) -> torch.Tensor:
+    """The torch backend: every entry at once (no loop over rows, no host read), in fp32;
+    like the kernel, an out-of-range metadata id reads nothing and scores -inf."""
+    batch, hq, d = q.shape
+    num_meta, hkv = kmin.shape[0], kmin.shape[1]
+    ids = page_table.indices.long()
+    nnz = ids.numel()
+    if batch == 0 or nnz == 0:
+        return torch.full((nnz, hkv), float("-inf"), device=q.device)
+    entry = torch.arange(nnz, device=q.device)
+    start = page_table.row_start.long()[:, None]
+    inside = (entry[None, :] >= start) & \
+        (entry[None, :] < start + page_table.row_count.long()[:, None])  # [B, nnz]
+    valid = inside.any(0) & (ids >= 0) & (ids < num_meta)
+    row = inside.int().argmax(0)
+    safe = torch.where(valid, ids, 0)
+    k_hat = unpack_keys(codes[safe], kmin[safe], kmax[safe], bits=bits)  # [nnz, H_kv, P, D]
+    qe = q.float()[row].view(nnz, hkv, hq // hkv, d)
+    score = torch.einsum("nhgd,nhpd->nhgp", qe, k_hat).amax(dim=(2, 3))
+    return score.masked_fill_(~valid[:, None], float("-inf"))
+
+
+def sketch_score(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    page_table: PageTable,
+    *,
+    bits: int,
+    num_splits: int | str = "auto",
+    out: torch.Tensor | None = None,
+    validate: bool = True,
+    config: dict[str, int] | None = None,
+    backend: Backend | None = None,
+) -> torch.Tensor:
+    """Sketch estimate of each listed page's best logit: ``max_{g, j} q_g . k_hat_j``.
+
+    For each entry of a row (a metadata row ``m``) and KV head ``h``: the largest dot product of
+    the ``G = H_q/H_kv`` query heads of the group (``h G .. h G + G - 1``) with the page's ``P``
+    dequantized keys ``k_hat[m, h, j] = kmin + code * (kmax - kmin) / (2**bits - 1)`` (see the
+    module docstring for the packing). Unlike Quest's bound it is an estimate, not a bound: the
+    error of one logit is at most ``sum_c |q_c| step_c / 2``. Raw dot products: no ``sm_scale``,
+    no softcap (both monotonic, so a top-k picks the same pages).
+
+    Args:
+        q: ``[B, H_q, D]`` decode query (post-RoPE), fp16/bf16/fp32.
+        codes: ``[num_meta, H_kv, P, W]`` uint8, ``W = D * bits / 8``, from
+            :func:`quantize_keys`; every listed page is full (``P`` keys).
+        kmin, kmax: ``[num_meta, H_kv, D]`` (same dtype as ``q``), the ranges the codes were
+            made in: each page's own (the Quest metadata) or one shared range expanded over
+            the rows (stride 0).
+        page_table: one row per sequence (``R = B``) whose ``indices`` are metadata rows;
+            ``last_page_len`` is not read.
+        bits: the codes' width, one of :data:`SKETCH_BITS`.
+        num_splits: programs per (sequence, KV head) sharing a row's entries, an int >= 1 or
+            ``"auto"`` (host sizes only, no sync); results do not depend on it.
+        out: optional ``[nnz, H_kv]`` fp32 buffer.
+        validate: check that every row's entries lie inside ``indices`` and every listed id is
+            in ``0..num_meta-1`` (one host sync on CUDA). With False, out-of-range ids read
+            nothing and score ``-inf``.
+        config: launch parameters ``block_e`` (entries per tile), ``block_p`` (keys per tile)
+            and ``num_warps``, powers of two; defaults from ``TILE_ELEMENTS``.
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (the reference, in fp32).
+
+    Returns:
+        ``[nnz, H_kv]`` fp32 scores aligned with ``page_table.indices``; entries that belong to
+        no row are ``-inf``.
+    """
+    batch, d, num_meta, hkv, group, page_size = _check_sketch_inputs(q, codes, kmin, kmax,
+                                                                     page_table, bits)
+    if num_splits == "auto":
+        splits = None
+    elif isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits >= 1:
+        splits = num_splits
+    else:
+        raise KernelInputError(f"num_splits must be 'auto' or an int >= 1, got {num_splits!r}.")
+    config = _check_config(config)
+    nnz = page_table.indices.numel()
+    out = check_out("out", out, (nnz, hkv), torch.float32, q.device)
+    if validate:
+        page_table.validate(num_meta, None, ids="metadata rows of codes/kmin/kmax")
+
+    if resolve_backend(backend, q, codes, kmin, kmax) == "torch":
+        out.copy_(_sketch_score_torch(q, codes, kmin, kmax, page_table, bits=bits))
+        return out
+
+    out.fill_(float("-inf"))
+    if splits is None:
+        splits = auto_score_splits(batch, hkv, nnz, q.device)
+    cfg = {**_default_config(group, page_size, d, bits), **config}
+    if batch > 0 and hkv > 0 and nnz > 0 and num_meta > 0:
+        width = d * bits // 8
+        _sketch_score_kernel[(batch, hkv, splits)](
+            q, codes, kmin, kmax, page_table.indices, page_table.row_start,
+            page_table.row_count, out,
+            num_meta, group, page_size, width,
+            q.stride(0), q.stride(1), q.stride(2),
+            codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
+            kmin.stride(0), kmin.stride(1), kmin.stride(2),
+            kmax.stride(0), kmax.stride(1), kmax.stride(2),
+            out.stride(0), out.stride(1),
+            BITS=bits, LEVELS=(1 << bits) - 1, PLANES=8 // bits,
+            BLOCK_E=cfg["block_e"], BLOCK_G=next_pow2(group), BLOCK_P=cfg["block_p"],
+            BLOCK_W=next_pow2(width),
+            **({"num_warps": cfg["num_warps"]} if "num_warps" in cfg else {}),
+        )
+    return out
