@@ -37,9 +37,9 @@ tier leaves: at 25% HBM, 25% - 12.5% (4-bit sketch) = 12.5%.
 Why 8-token pages (``PAGE_SIZE``): on the reasoner's ~290-token prompts a 16-token page is 5.5%
 of the prompt, so at 25% HBM ``topk`` keeps 2 resident pages and a recall of 20% fetches ~3
 pages of ~5 unrelated edges each; 8-token pages give 4 resident pages and recall twice as many
-distinct places for the same bytes (measured on 100 items: 0.89 at 16 tokens, 0.98 at 8). The
-must-hot set (2 pages for the eviction methods, 5.5% of the prompt) leaves every method room to
-choose at 25%. The previous default (16-token pages with sink, two recent pages and the page
+distinct places for the same bytes (measured on 100 items: 0.76-0.89 at 16 tokens, 0.98 at 8).
+The must-hot set (2 pages for the eviction methods, 5.5% of the prompt) leaves every method room
+to choose at 25%. The previous default (16-token pages with sink, two recent pages and the page
 being filled: 21% of the prompt) made every method hold more than 25% there.
 
 Recall is synchronous in the eval (``prefetch="none"``): the layer-ahead prefetch of the

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .page_table import PageTable
+
 __all__ = [
-    "ERROR_FLOOR", "RuleCheck", "check_rule", "margins_intact", "nan_like_empty", "red_zone",
-    "seed_from",
+    "ERROR_FLOOR", "RuleCheck", "check_rule", "csr_table", "margins_intact", "nan_like_empty",
+    "red_zone", "seed_from",
 ]
 
 #: absolute floor added to the rule, per input dtype (fp32 errors are rounding-level).
@@ -109,3 +111,11 @@ def margins_intact(buffer: torch.Tensor, view: torch.Tensor, fill: float = float
     outside = torch.cat([buffer[:start], buffer[start + view.numel():]])
     bits = _INT_VIEW[outside.element_size()]
     return bool(torch.equal(outside.view(bits), torch.full_like(outside, fill).view(bits)))
+
+
+def csr_table(indptr: list[int], indices: list[int]):
+    """A :class:`~tierattn.kernels.page_table.PageTable` of host lists, every last page 1 token
+    (for the metadata kernels, which ignore ``last_page_len``; bad-input tests)."""
+    i32 = torch.int32
+    return PageTable.from_csr(torch.tensor(indptr, dtype=i32), torch.tensor(indices, dtype=i32),
+                              torch.ones(len(indptr) - 1, dtype=i32))

@@ -14,7 +14,7 @@ from tierattn.errors import KernelInputError, KernelUnsupportedError
 from tierattn.kernels.metadata import page_metadata
 from tierattn.kernels.page_table import PageTable
 from tierattn.kernels.score import quest_score, quest_score_reference
-from tierattn.kernels.testing import check_rule, margins_intact, red_zone
+from tierattn.kernels.testing import check_rule, csr_table, margins_intact, red_zone
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: id written into the unused tail of padded tables: far out of range, so reading it would show.
@@ -324,11 +324,7 @@ def _bad(name, match, **changes):
     return pytest.param(changes, match, id=name)
 
 
-def _csr(indptr, indices):
-    i32 = torch.int32
-    n = len(indptr) - 1
-    return PageTable.from_csr(torch.tensor(indptr, dtype=i32), torch.tensor(indices, dtype=i32),
-                              torch.ones(n, dtype=i32))
+_csr = csr_table
 
 
 BAD_INPUTS = [
