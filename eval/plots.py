@@ -10,7 +10,8 @@ __all__ = ["reasoning_plots"]
 COLORS = {"full": "black", "offload": "tab:green", "topk": "tab:olive",
           "topk-quest": "tab:cyan", "evict-h2o": "tab:red",
           "evict-snapkv": "tab:orange", "evict-streaming": "tab:purple",
-          "evict-random": "tab:gray", "oracle": "tab:blue", "h2o+offload": "tab:brown"}
+          "evict-random": "tab:gray", "oracle": "tab:blue", "h2o+offload": "tab:brown",
+          "evict-snapkv-decode": "tab:pink", "evict-rkv": "darkred"}
 
 
 def _pyplot():
@@ -77,9 +78,12 @@ def reasoning_plots(cells: list[dict], out: str | Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for method in dict.fromkeys(c["method"] for c in main):
-        rows = [c for c in main if c["method"] == method]
-        ax.scatter([max(c["h2d_bytes_per_token"], 1.0) for c in rows],
-                   [c["accuracy"] for c in rows], label=method, color=COLORS.get(method))
+        # one line per method through its budgets: the frontier it offers (eviction moves no
+        # bytes, so it sits at x = 1)
+        rows = sorted((c for c in main if c["method"] == method), key=lambda c: c["hbm"])
+        ax.plot([max(c["h2d_bytes_per_token"], 1.0) for c in rows],
+                [c["accuracy"] for c in rows], marker="o", ms=4, lw=1, label=method,
+                color=COLORS.get(method))
         for c in rows:
             if method != "full":
                 ax.annotate(f"{c['hbm']:g}", (max(c["h2d_bytes_per_token"], 1.0),
