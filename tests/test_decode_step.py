@@ -31,9 +31,13 @@ CONFIGS = {
     "topk": TierConfig.preset("topk"),
     "topk-sync": TierConfig.preset("topk", prefetch="none"),
     "topk-speculative": TierConfig.preset("topk", prefetch="speculative"),
+    "topk-quest": TierConfig.preset("topk", recall_score="quest"),
+    "topk-2bit": TierConfig.preset("topk", key_bits=2),
     "evict-h2o": TierConfig.preset("evict-h2o"),
     "evict-snapkv": TierConfig.preset("evict-snapkv"),
     "evict-streaming": TierConfig.preset("evict-streaming"),
+    "evict-snapkv-decode": TierConfig.preset("evict-snapkv-decode"),
+    "evict-rkv": TierConfig.preset("evict-rkv"),
     "grid-h2o-offload": TierConfig(hot_budget=0.3, evict_budget=0.3, evict_policy="h2o"),
 }
 
@@ -74,12 +78,18 @@ def test_decode_steps_read_nothing_back(name, shape):
     if shape != "plain":
         cache.free(2)
     before = cache.engine.to_host_calls
+    snapshots = []
+    take = cache.importance.snapshot
+    cache.importance.snapshot = lambda *a, **k: (snapshots.append(a), take(*a, **k))
     steps = 6 * P  # six pages filled: new pages, demotions, evictions, recall all happen
     with HostReads() as reads:
         _decode(cache, steps)
     assert reads.count == 0, f"host reads during decode steps: {dict(reads.sites)}"
-    # the decisions' inputs came back asynchronously: a few snapshots per page filled
-    assert cache.engine.to_host_calls - before <= 3 * L * (steps // P + 1)
+    # the decisions' inputs came back asynchronously: a few snapshots per page filled (a page
+    # started, a sequence's eviction target moved) per layer, and nothing else came back but
+    # their tensors (mass, SnapKV mass or Quest bound, decode-window mass, a policy's own)
+    assert len(snapshots) <= 3 * L * (steps // P + 1)
+    assert cache.engine.to_host_calls - before <= 4 * len(snapshots)
     assert all(c.decode_steps == steps for c in cache.telemetry.layers)
 
 

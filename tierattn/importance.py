@@ -7,10 +7,10 @@ per-page buffer (``page_lse``, written by the attention kernels themselves); one
 the step's partial states and adds the mass under the merged LSE; nothing is read back.
 ``snap`` holds SnapKV's observation-window mass of the last prefill chunk. Where a policy needs
 them, the key range of *every* page (Quest metadata: element-wise ``kmin``/``kmax`` of its keys,
-per KV head) and its key sketch (every key quantized into that range,
-:mod:`tierattn.kernels.sketch`) stay on the device, so cold pages are scored without moving
-them; both are written when a page is filled (or a prompt chunk lands) and count in HBM
-(:meth:`Importance.key_tier_bytes`).
+per KV head) and its key sketch (every key at a few bits per channel, in one range per layer,
+KV head and channel: :mod:`tierattn.kernels.sketch`) stay on the device, so cold pages are
+scored without moving them; both are written when a page is filled (or a prompt chunk lands)
+and count in HBM (:func:`tierattn.tiers.plan_memory`).
 
 Policies rank pages on the host from a **snapshot**: when a structural decision is due at the
 next step (a page filled, an eviction target grows), :meth:`Importance.snapshot` copies what the
@@ -21,6 +21,7 @@ most one step old and a decode step never blocks on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,13 @@ class HostImportance:
     bound: torch.Tensor | None  # Quest bound of the latest decode query (None: none yet)
     recent: torch.Tensor | None = None  # mass of the last decode_window decode queries
     tickets: list = None  # the transfer engine's tickets of the copies
+    extra: torch.Tensor | None = None  # the eviction policy's own score (``Importance.extra``)
+
+    @property
+    def window(self) -> torch.Tensor | None:
+        """The observation window's mass: the last decode steps' once decoding has begun, else
+        the prompt's last queries' (SnapKV's)."""
+        return self.recent if self.recent is not None else self.snap
 
     def ready(self, engine: TransferEngine) -> HostImportance:
         for ticket in self.tickets:
@@ -87,8 +95,9 @@ class Importance:
                                      dtype=torch.uint8, device=dev)
             # the sketch's quantization range: per layer, KV head and channel, set from the
             # first keys the layer stores (the prompt), widened by SKETCH_MARGIN on each side;
-            # later keys outside it are clamped
-            self.sk_lo = torch.zeros(n, num_kv_heads, head_dim, device=dev)
+            # later keys outside it are clamped; kept in the KV dtype, the dtype the scoring
+            # kernel reads, so a decode step converts nothing
+            self.sk_lo = torch.zeros(n, num_kv_heads, head_dim, dtype=dtype, device=dev)
             self.sk_hi = torch.zeros_like(self.sk_lo)
         self._sk_set = [False] * n
         self.mass = torch.zeros(n, b * mp + 1, dtype=torch.float32, device=dev)
@@ -111,7 +120,10 @@ class Importance:
                                   last_page_len=torch.ones(b, dtype=torch.int32, device=dev))
         self._host: list[HostImportance | None] = [None] * n
         pinned = dev.type == "cuda"
-        self._host_bufs = [torch.zeros(4, b, mp, pin_memory=pinned) for _ in range(n)]
+        self._host_bufs = [torch.zeros(5, b, mp, pin_memory=pinned) for _ in range(n)]
+        #: ``(layer) -> [B, max_pages]`` device score an eviction policy computes itself (R-KV's
+        #: redundancy), copied back with every snapshot; None: none
+        self.extra: Callable[[int], torch.Tensor] | None = None
 
     def of(self, layer: int) -> torch.Tensor:
         """``[B, max_pages]`` view of ``layer``'s accumulated mass (on the device)."""
@@ -246,18 +258,9 @@ class Importance:
         lo = torch.where(v, keys.float(), float("inf")).amin(dim=(0, 1))
         hi = torch.where(v, keys.float(), float("-inf")).amax(dim=(0, 1))
         span = (hi - lo) * self.SKETCH_MARGIN
-        self.sk_lo[layer] = (lo - span).to(self.sk_lo.device)
-        self.sk_hi[layer] = (hi + span).to(self.sk_hi.device)
+        self.sk_lo[layer] = lo - span
+        self.sk_hi[layer] = hi + span
         self._sk_set[layer] = True
-
-    def key_tier_bytes(self, pages: int) -> int:
-        """HBM bytes the key range and key sketch of ``pages`` pages take (per layer)."""
-        per = 0
-        if self.kmin is not None:
-            per += 2 * self.kmin[0, 0].numel() * self.kmin.element_size()
-        if self.codes is not None:
-            per += self.codes[0, 0].numel()
-        return pages * per
 
     def sketch_score(self, layer: int, q: torch.Tensor, table: PageTable) -> torch.Tensor:
         """Key-sketch score ``[nnz, H_kv]`` (largest estimated logit of the page) of query
@@ -265,8 +268,8 @@ class Importance:
         self.telemetry.layers[layer].kernel_launches += 1
         rows = self.codes.shape[1]
         return self.kernels.sketch_score(q, self.codes[layer],
-                                         self.sk_lo[layer].to(q.dtype).expand(rows, -1, -1),
-                                         self.sk_hi[layer].to(q.dtype).expand(rows, -1, -1),
+                                         self.sk_lo[layer].expand(rows, -1, -1),
+                                         self.sk_hi[layer].expand(rows, -1, -1),
                                          table, bits=self.key_bits, validate=False,
                                          backend=self.backend)
 
@@ -296,9 +299,12 @@ class Importance:
         if have_recent:
             recent = self.recent[layer].sum(0)[:b * mp].view(b, mp)
             tickets.append(self.engine.to_host(recent, buf[3]))
+        if self.extra is not None:
+            tickets.append(self.engine.to_host(self.extra(layer), buf[4]))
         self._host[layer] = HostImportance(buf[0], buf[1] if self.snap is not None else None,
                                            buf[2] if have_bound else None,
-                                           buf[3] if have_recent else None, tickets)
+                                           buf[3] if have_recent else None, tickets,
+                                           buf[4] if self.extra is not None else None)
 
     def host(self, layer: int, *, bound: bool = False, fresh: bool = False) -> HostImportance:
         """The latest snapshot of ``layer`` (taken now if there is none, or with ``fresh``)."""

@@ -321,19 +321,33 @@ class Mover:
         return out
 
     def mean_keys(self, layer: int, n_pages: int) -> torch.Tensor:
-        """``[B, n_pages, H_kv, D]`` (CPU, fp32) mean key of every live page of ``layer`` over
-        its tokens (zeros where no page is stored): what a redundancy-aware policy compares.
-        Reads every live page once (a rare decision, not a decode step)."""
-        st, p = self.pages.layers[layer], self.page_size
+        """``[B, n_pages, H_kv, D]`` fp32 mean key of every live page of ``layer`` over its
+        tokens (zeros where no page is stored), on the device: what a redundancy-aware policy
+        compares. Hot pages are gathered from the HBM pool on the device; pages in the other
+        tiers are read where they live (host memory, disk) and copied in. Nothing is read back
+        from the device."""
+        st, p, dev = self.pages.layers[layer], self.page_size, self.device
         hbm = self.tiers[HOT]
-        out = torch.zeros(self.pages.batch_size, n_pages, *hbm.page_shape[2:])
+        out = torch.zeros(self.pages.batch_size, n_pages, *hbm.page_shape[2:], device=dev)
         live = (st.tier[:, :n_pages] != NONE).nonzero()
-        if len(live):
-            rows, cols = live[:, 0], live[:, 1]
-            keys = self.read(layer, rows, cols)[:, 0].float()  # [n, P, H_kv, D]
-            valid = (cols[:, None] * p + torch.arange(p)) < st.length  # [n, P]
-            keys = keys * valid[:, :, None, None]
-            out[rows, cols] = keys.sum(1) / valid.sum(1).clamp_min(1)[:, None, None]
+        if not len(live):
+            return out
+        rows, cols = live[:, 0], live[:, 1]
+        tiers, slots = st.tier[rows, cols], st.slot[rows, cols]
+        keys = torch.empty(len(rows), *hbm.page_shape[1:], dtype=hbm.dtype, device=dev)
+        for ti, tier in enumerate(self.tiers):
+            sel = (tiers == ti).nonzero().flatten()
+            if not len(sel):
+                continue
+            if ti == HOT:
+                data = tier.pool(layer)[slots[sel].to(dev), 0]
+            else:
+                data = self._read(tier, layer, slots[sel].tolist(),
+                                  (cols[sel] * p).tolist())[:, 0].to(dev, non_blocking=True)
+            keys[sel.to(dev)] = data
+        valid = ((cols[:, None] * p + torch.arange(p)) < st.length).to(dev)  # [n, P]
+        keys = keys.float() * valid[:, :, None, None]
+        out[rows.to(dev), cols.to(dev)] = keys.sum(1) / valid.sum(1).clamp_min(1)[:, None, None]
         return out
 
     def write(self, layer: int, rows: torch.Tensor, cols: torch.Tensor, tiers: torch.Tensor,

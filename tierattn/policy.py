@@ -181,8 +181,7 @@ class SnapKVDecode(SnapKV):
         return config.snapkv_window
 
     def rank(self, layer, n_pages):
-        snap = self.importance.host(layer)
-        return self.pooled(snap.recent if snap.recent is not None else snap.snap, n_pages)
+        return self.pooled(self.importance.host(layer).window, n_pages)
 
 
 class RKV(Eviction):
@@ -214,7 +213,11 @@ class RKV(Eviction):
     def __init__(self, importance: Importance, pages: PageMap,
                  page_keys: Callable[[int, int], torch.Tensor]) -> None:
         super().__init__(importance, pages)
-        self.page_keys = page_keys  # (layer, n_pages) -> [B, n_pages, H_kv, D] mean keys
+        self.page_keys = page_keys  # (layer, n_pages) -> [B, n_pages, H_kv, D] on the device
+        # the redundancy is computed on the device with each importance snapshot (a step
+        # ahead of the decision, like the importance it is weighed against) and copied back
+        # with it: the decision reads no page back
+        importance.extra = self.redundancy
 
     @classmethod
     def observation(cls, config):
@@ -224,16 +227,25 @@ class RKV(Eviction):
     def decode_window(cls, config):
         return cls.WINDOW
 
+    def redundancy(self, layer: int) -> torch.Tensor:
+        """``[B, max_pages]`` redundancy ``R`` of the pages stored now (0 past them), on the
+        device."""
+        n = self.pages.num_pages(layer)
+        out = torch.zeros(self.pages.batch_size, self.pages.max_pages, device=self.pages.device)
+        if n == 0:
+            return out
+        keys = torch.nn.functional.normalize(self.page_keys(layer, n), dim=-1)
+        sim = torch.einsum("bphd,bqhd->bhpq", keys, keys)  # [B, H_kv, n, n] per head
+        later = torch.ones(n, n, dtype=torch.bool, device=sim.device).triu(1)
+        sim = torch.where(later & (sim > self.THRESHOLD), sim, 0.0)
+        out[:, :n] = torch.softmax(sim.mean(-1), dim=-1).mean(1)
+        return out
+
     def rank(self, layer, n_pages):
         snap = self.importance.host(layer)
-        imp = (snap.recent if snap.recent is not None else snap.snap)[:, :n_pages]
+        imp = snap.window[:, :n_pages]
         imp = imp / imp.sum(1, keepdim=True).clamp_min(1e-12)
-        keys = torch.nn.functional.normalize(self.page_keys(layer, n_pages).float(), dim=-1)
-        sim = torch.einsum("bphd,bqhd->bhpq", keys, keys)  # [B, H_kv, n, n] per head
-        later = torch.ones(n_pages, n_pages, dtype=torch.bool).triu(1)
-        sim = torch.where(later & (sim > self.THRESHOLD), sim, 0.0)
-        red = torch.softmax(sim.mean(-1), dim=-1).mean(1)  # [B, n]
-        return self.LAMBDA * imp - (1 - self.LAMBDA) * red
+        return self.LAMBDA * imp - (1 - self.LAMBDA) * snap.extra[:, :n_pages]
 
 
 # --- recall ------------------------------------------------------------------------------------
