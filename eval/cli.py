@@ -178,7 +178,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         from tierattn.eval.fidelity import FidelitySpec, long_context, run_fidelity, summary
 
         kw = dict(budgets=args.budgets or (0.25, 0.5), segments=args.segments,
-                  page_size=args.page_size or 16, seed=args.seed or 0, backend=args.backend,
+                  page_size=args.page_size or FidelitySpec.page_size, seed=args.seed or 0,
+                  backend=args.backend,
                   **({"methods": tuple(m for m in args.methods if m not in ("full", "oracle"))}
                      if args.methods else {}))
         specs = [long_context(c, **kw) for c in args.contexts] if args.contexts else \
@@ -192,8 +193,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(summary(run_qa(args.model, args.data, budgets=args.budgets or (0.25, 0.5),
                              **({"methods": args.methods} if args.methods else {}),
                              n=args.n, max_new_tokens=args.max_new_tokens,
-                             page_size=args.page_size or 16, backend=args.backend,
-                             seed=args.seed or 0,
+                             **({"page_size": args.page_size} if args.page_size else {}),
+                             backend=args.backend, seed=args.seed or 0,
                              out_root=args.out_root)))
         return 0
     from tierattn.eval.reasoning import ReasoningSpec, run_reasoning, summary

@@ -155,6 +155,16 @@ def check_softcap(softcap: float | None) -> float:
     return float(softcap)
 
 
+def check_num_splits(num_splits: int | str) -> int | None:
+    """A launcher's ``num_splits``: None for ``"auto"`` (sized from host-known shapes), else an
+    int >= 1."""
+    if num_splits == "auto":
+        return None
+    if isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits >= 1:
+        return num_splits
+    raise KernelInputError(f"num_splits must be 'auto' or an int >= 1, got {num_splits!r}.")
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -21,6 +21,7 @@ import triton.language as tl
 from tierattn.errors import KernelInputError
 
 from ._common import (
+    check_num_splits,
     _softcap,
     Backend,
     check_gqa,
@@ -385,12 +386,7 @@ def sparse_decode(
         q, kv_pool, page_table)
     scale = check_sm_scale(sm_scale, d)
     cap = check_softcap(softcap)
-    if num_splits is None or num_splits == "auto":
-        splits = None
-    elif isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits >= 1:
-        splits = num_splits
-    else:
-        raise KernelInputError(f"num_splits must be 'auto' or an int >= 1, got {num_splits!r}.")
+    splits = check_num_splits("auto" if num_splits is None else num_splits)
     if block_n is not None and (not isinstance(block_n, int) or block_n < 1
                                 or block_n & (block_n - 1)):
         raise KernelInputError(f"block_n must be a power of two, got {block_n!r}.")

@@ -25,6 +25,7 @@ import triton.language as tl
 from tierattn.errors import KernelInputError
 
 from ._common import (
+    check_num_splits,
     Backend,
     FLOAT_DTYPES,
     check_gqa,
@@ -249,12 +250,7 @@ def quest_score(
     """
     batch, hq, d, num_meta, hkv, group = _check_score_inputs(q, kmin, kmax, page_table,
                                                             group_reduce)
-    if num_splits == "auto":
-        splits = None
-    elif isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits >= 1:
-        splits = num_splits
-    else:
-        raise KernelInputError(f"num_splits must be 'auto' or an int >= 1, got {num_splits!r}.")
+    splits = check_num_splits(num_splits)
     config = check_config("score", config)
     nnz = page_table.indices.numel()
     out = check_out("out", out, (nnz, hkv), torch.float32, q.device)

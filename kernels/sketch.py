@@ -39,6 +39,7 @@ import triton.language as tl
 from tierattn.errors import KernelInputError
 
 from ._common import (
+    check_num_splits,
     Backend,
     FLOAT_DTYPES,
     check_gqa,
@@ -51,6 +52,7 @@ from ._common import (
 )
 from .page_table import PageTable
 from .score import auto_score_splits
+from .tuning import check_config
 
 __all__ = ["SKETCH_BITS", "quantize_keys", "sketch_bytes", "sketch_score",
            "sketch_score_reference", "sketch_width", "unpack_keys"]
@@ -63,8 +65,6 @@ MAX_BLOCK_E = 16
 TILE_ELEMENTS = 8192
 #: the same under the interpreter, where a tile costs its op count, not its registers.
 INTERPRET_MAX_BLOCK_E, INTERPRET_TILE_ELEMENTS = 64, 1 << 17
-#: launch parameters ``config=`` may set, each a power of two.
-CONFIG_KEYS = ("block_e", "block_p", "num_warps")
 
 
 @triton.jit
@@ -148,8 +148,9 @@ def sketch_width(head_dim: int, bits: int) -> int:
     if bits not in SKETCH_BITS:
         raise KernelInputError(f"bits={bits!r} is not one of {SKETCH_BITS}.")
     if (head_dim * bits) % 8:
-        raise KernelInputError(f"head_dim={head_dim} at bits={bits} is not a whole number of "
-                               "bytes per key.")
+        raise KernelInputError(
+            f"head dim {head_dim}: at bits={bits} a key is not a whole number of bytes (D * bits "
+            "must be a multiple of 8); use another bits.")
     return head_dim * bits // 8
 
 
@@ -233,21 +234,6 @@ def _default_config(group: int, page_size: int, head_dim: int, bits: int) -> dic
     return {"block_e": 1 << (block_e.bit_length() - 1), "block_p": block_p}
 
 
-def _check_config(config: dict[str, int] | None) -> dict[str, int]:
-    if config is None:
-        return {}
-    if not isinstance(config, dict):
-        raise KernelInputError(f"config must be a dict of {CONFIG_KEYS}, got "
-                               f"{type(config).__name__}.")
-    for key, value in config.items():
-        if key not in CONFIG_KEYS:
-            raise KernelInputError(f"config key {key!r} is not one of {CONFIG_KEYS}.")
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1
-                and value & (value - 1) == 0):
-            raise KernelInputError(f"config[{key!r}]={value!r} must be a power of two >= 1.")
-    return dict(config)
-
-
 def _check_sketch_inputs(q, codes, kmin, kmax, page_table, bits):
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("codes", codes, ndim=4, dtypes=(torch.uint8,), device=q.device)
@@ -264,11 +250,7 @@ def _check_sketch_inputs(q, codes, kmin, kmax, page_table, bits):
     check_head_dim("q", d)
     if meta_d != d:
         raise KernelInputError(f"q has head dim {d} but kmin/kmax have {meta_d}.")
-    if (d * bits) % 8:
-        raise KernelInputError(
-            f"q has head dim {d}: at bits={bits} a key is not a whole number of bytes "
-            "(D * bits must be a multiple of 8); use another bits.")
-    width = d * bits // 8
+    width = sketch_width(d, bits)
     group = check_gqa(hq, hkv)
     if codes.shape[0] != num_meta or codes.shape[1] != hkv or codes.shape[3] != width:
         raise KernelInputError(
@@ -361,13 +343,8 @@ def sketch_score(
     """
     batch, d, num_meta, hkv, group, page_size = _check_sketch_inputs(q, codes, kmin, kmax,
                                                                      page_table, bits)
-    if num_splits == "auto":
-        splits = None
-    elif isinstance(num_splits, int) and not isinstance(num_splits, bool) and num_splits >= 1:
-        splits = num_splits
-    else:
-        raise KernelInputError(f"num_splits must be 'auto' or an int >= 1, got {num_splits!r}.")
-    config = _check_config(config)
+    splits = check_num_splits(num_splits)
+    config = check_config("sketch", config)
     nnz = page_table.indices.numel()
     out = check_out("out", out, (nnz, hkv), torch.float32, q.device)
     if validate:

@@ -76,11 +76,13 @@ SPACES: dict[str, dict[str, tuple[int, ...]]] = {
                 "num_stages": (1, 2, 3)},
     "copy": {"block_bytes": (2048, 4096, 8192, 16384, 32768, 65536),
              "programs_per_sm": (1, 2, 4, 8)},
+    # declared for config= checks; not swept yet (not in KERNELS, no tuned table)
+    "sketch": {"block_e": (4, 8, 16, 32, 64), "block_p": (4, 8, 16, 32), "num_warps": (1, 2, 4, 8)},
 }
 
 
 #: parameters that must be powers of two (tile shapes, warps); block_bytes also >= 128.
-_POW2 = {"block_n", "block_m", "block_e", "block_bytes", "num_warps"}
+_POW2 = {"block_n", "block_m", "block_e", "block_p", "block_bytes", "num_warps"}
 
 
 _CTX = (512, 4096, 32768, 262144)

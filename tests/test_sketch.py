@@ -407,7 +407,7 @@ def test_sketch_bad_input(changes, match, figures):
 def test_sketch_width_rejects_bad_sizes():
     with pytest.raises(KernelInputError, match="bits"):
         sketch_width(64, 3)
-    with pytest.raises(KernelInputError, match="head_dim"):
+    with pytest.raises(KernelInputError, match="head dim 17"):
         sketch_width(17, 2)
 
 
@@ -482,6 +482,20 @@ def _scores(keys, q, table):
     return out
 
 
+def _rank_rows(scores, exact, target):
+    """Per scorer (Quest, the sketch per width, the shared-range sketch per width): Spearman
+    against ``exact`` and whether page ``target`` of each page set is its top-1 / top-2."""
+    rows = {}
+    for name in ("quest", *SKETCH_BITS, *(f"shared{b}" for b in SKETCH_BITS)):
+        s = scores[name]
+        rows[f"sketch{name}" if isinstance(name, int) else name] = {
+            "spearman": _spearman(exact, s),
+            "top1": s.argmax(dim=1) == target,
+            "top2": (s.topk(2, dim=1).indices == target[:, None]).any(dim=1),
+        }
+    return rows
+
+
 def _report(title, rows, figures):
     print(f"\n{title} ({len(next(iter(rows.values()))['top1'])} page sets of {RANK_PAGES} "
           f"pages, P={RANK_P}, G={RANK_G}, D={RANK_D}, bf16)")
@@ -501,14 +515,7 @@ def test_sketch_ranks_random_pages_like_exact(device, seed, figures):
     keys, q, table, exact, _ = _rank_pages(device, needle=False)
     scores = _scores(keys, q, table)
     top = exact.argmax(dim=1)
-    rows = {}
-    for name in ("quest", *SKETCH_BITS, *(f"shared{b}" for b in SKETCH_BITS)):
-        s = scores[name]
-        rows[f"sketch{name}" if isinstance(name, int) else name] = {
-            "spearman": _spearman(exact, s),
-            "top1": s.argmax(dim=1) == top,
-            "top2": (s.topk(2, dim=1).indices == top[:, None]).any(dim=1),
-        }
+    rows = _rank_rows(scores, exact, top)
     _report("random pages", rows, figures)
     for bits in SKETCH_BITS:
         assert ((scores[bits] - exact).abs() <= scores[f"slack{bits}"] + 1e-3).all()
@@ -536,14 +543,7 @@ def test_sketch_finds_the_needle_page(device, seed, figures):
     keys, q, table, exact, page = _rank_pages(device, needle=True)
     scores = _scores(keys, q, table)
     assert (exact.argmax(dim=1) == page).double().mean() >= 0.98  # the needle is the best page
-    rows = {}
-    for name in ("quest", *SKETCH_BITS, *(f"shared{b}" for b in SKETCH_BITS)):
-        s = scores[name]
-        rows[f"sketch{name}" if isinstance(name, int) else name] = {
-            "spearman": _spearman(exact, s),
-            "top1": s.argmax(dim=1) == page,
-            "top2": (s.topk(2, dim=1).indices == page[:, None]).any(dim=1),
-        }
+    rows = _rank_rows(scores, exact, page)
     _report("needle pages", rows, figures)
     s8, s4, s2, quest = (rows[k] for k in ("sketch8", "sketch4", "sketch2", "quest"))
     assert s8["top1"].double().mean() >= 0.97

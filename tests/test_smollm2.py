@@ -90,7 +90,7 @@ def test_fidelity_long_context_spec(smollm2, tmp_path):
     assert spec.pointer_items == 0 and spec.prefix + spec.continuation == 256
     result = run_fidelity(spec, out_root=tmp_path, model_and_tokenizer=smollm2)
     rows = {c["method"]: c for c in result["cells"]}
-    assert rows["full"]["pointer_acc"] is None and rows["full"]["passkey_acc"] in (0.0, 1.0)
+    assert rows["full"]["feasible"] and rows["full"]["pointer_acc"] is None  # no pointer items
     assert not rows["offload"]["feasible"] and "must-hot" in rows["offload"]["reason"]
     assert not rows["topk"]["feasible"] and "key tier" in rows["topk"]["reason"]
     assert result["pointer_example"] is None

@@ -27,6 +27,7 @@ import torch
 
 from tierattn.config import TierConfig, TierSpec
 from tierattn.errors import KVCapacityError, TierConfigError
+from tierattn.kernels.sketch import sketch_bytes
 from tierattn.kvfile import expect, kv_file_name, read_kv_file, write_kv_file
 
 __all__ = ["DiskTier", "MemoryTier", "Tier", "available_memory", "build_tier", "plan_memory"]
@@ -313,9 +314,10 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
             need.setdefault(where, []).append((f"{spec.kind} pool", num_layers * cap * page_bytes))
     need.setdefault(dev, []).extend([
         ("staging ring", ring * staging_pages * page_bytes),
-        ("key range and sketch", num_layers * rows * page_shape[2] * page_shape[3] * (
-            (2 * itemsize if cfg.key_range else 0)
-            + (page_shape[1] * cfg.key_bits / 8 if cfg.key_sketch else 0)))])
+        ("key range and sketch", num_layers * rows * (
+            (2 * page_shape[2] * page_shape[3] * itemsize if cfg.key_range else 0)
+            + (sketch_bytes(page_shape[1], page_shape[2], page_shape[3], cfg.key_bits)
+               if cfg.key_sketch else 0)))])
     need.setdefault("cpu", []).append(("page tables", num_layers * rows * 10))
     for where, items in need.items():
         total = sum(n for _, n in items)
