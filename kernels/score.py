@@ -136,7 +136,11 @@ def auto_score_splits(batch: int, num_kv_heads: int, nnz: int, device: torch.dev
     return max(1, min(want, longest_useful, MAX_AUTO_SPLITS))
 
 
-def _check_score_inputs(q, kmin, kmax, page_table, group_reduce):
+def check_metadata_inputs(who: str, q, kmin, kmax, page_table):
+    """The inputs every metadata scorer shares (``quest_score``, ``sketch_score``): a decode
+    query ``q [B, H_q, D]``, per-row ranges ``kmin``/``kmax [num_meta, H_kv, D]`` and a page
+    table with one row per sequence listing metadata rows. Returns
+    ``(batch, H_q, D, num_meta, H_kv, group)``."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("kmin", kmin, ndim=3, dtypes=(q.dtype,), device=q.device)
     check_tensor("kmax", kmax, ndim=3, dtypes=(q.dtype,), device=q.device)
@@ -158,12 +162,17 @@ def _check_score_inputs(q, kmin, kmax, page_table, group_reduce):
         raise KernelInputError(f"page_table is on {page_table.device} but q is on {q.device}.")
     if page_table.num_rows != batch:
         raise KernelInputError(
-            f"page_table has {page_table.num_rows} rows; quest_score needs one per sequence "
+            f"page_table has {page_table.num_rows} rows; {who} needs one per sequence "
             f"(B={batch}).")
+    return batch, hq, d, num_meta, hkv, group
+
+
+def _check_score_inputs(q, kmin, kmax, page_table, group_reduce):
+    shapes = check_metadata_inputs("quest_score", q, kmin, kmax, page_table)
     if group_reduce not in GROUP_REDUCES:
         raise KernelInputError(
             f"group_reduce={group_reduce!r} is not one of {GROUP_REDUCES}.")
-    return batch, hq, d, num_meta, hkv, group
+    return shapes
 
 
 def quest_score_reference(

@@ -41,9 +41,6 @@ from tierattn.errors import KernelInputError
 from ._common import (
     check_num_splits,
     Backend,
-    FLOAT_DTYPES,
-    check_gqa,
-    check_head_dim,
     check_out,
     check_tensor,
     next_pow2,
@@ -51,7 +48,7 @@ from ._common import (
     triton_interpreting,
 )
 from .page_table import PageTable
-from .score import auto_score_splits
+from .score import auto_score_splits, check_metadata_inputs
 from .tuning import check_config
 
 __all__ = ["SKETCH_BITS", "quantize_keys", "sketch_bytes", "sketch_score",
@@ -235,39 +232,18 @@ def _default_config(group: int, page_size: int, head_dim: int, bits: int) -> dic
 
 
 def _check_sketch_inputs(q, codes, kmin, kmax, page_table, bits):
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    batch, _, d, num_meta, hkv, group = check_metadata_inputs("sketch_score", q, kmin, kmax,
+                                                              page_table)
     check_tensor("codes", codes, ndim=4, dtypes=(torch.uint8,), device=q.device)
-    check_tensor("kmin", kmin, ndim=3, dtypes=(q.dtype,), device=q.device)
-    check_tensor("kmax", kmax, ndim=3, dtypes=(q.dtype,), device=q.device)
-    if kmin.shape != kmax.shape:
-        raise KernelInputError(
-            f"kmin has shape {list(kmin.shape)} but kmax has {list(kmax.shape)}; both are "
-            "[num_meta, H_kv, D].")
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SKETCH_BITS:
         raise KernelInputError(f"bits={bits!r} is not one of {SKETCH_BITS}.")
-    batch, hq, d = q.shape
-    num_meta, hkv, meta_d = kmin.shape
-    check_head_dim("q", d)
-    if meta_d != d:
-        raise KernelInputError(f"q has head dim {d} but kmin/kmax have {meta_d}.")
     width = sketch_width(d, bits)
-    group = check_gqa(hq, hkv)
     if codes.shape[0] != num_meta or codes.shape[1] != hkv or codes.shape[3] != width:
         raise KernelInputError(
             f"codes must have shape [num_meta={num_meta}, H_kv={hkv}, P, W={width}] (W = D * "
             f"bits / 8 = {d} * {bits} / 8, from quantize_keys), got {list(codes.shape)}.")
     if codes.shape[2] < 1:
         raise KernelInputError("codes has page size 0; pages hold at least one key.")
-    if not isinstance(page_table, PageTable):
-        raise KernelInputError(
-            "page_table must be a PageTable whose indices are metadata rows; build it with "
-            "PageTable.from_csr(indptr, indices, last_page_len) or PageTable.from_padded(...).")
-    if page_table.device != q.device:
-        raise KernelInputError(f"page_table is on {page_table.device} but q is on {q.device}.")
-    if page_table.num_rows != batch:
-        raise KernelInputError(
-            f"page_table has {page_table.num_rows} rows; sketch_score needs one per sequence "
-            f"(B={batch}).")
     return batch, d, num_meta, hkv, group, codes.shape[2]
 
 
