@@ -453,6 +453,80 @@ def paged_prefill_reference(
     return PrefillOutput(out, lse, mass if return_page_mass else None)
 
 
+def _paged_prefill_torch(q, kv_pool, page_table, qo_indptr, *, scale, causal, sliding_window,
+                         cap, want_out, mass_lse, want_mass, first_lane, block_q=256):
+    """The torch backend of :func:`paged_prefill` and :func:`paged_prefill_mass`: what the
+    reference computes, in fp32, without its copies per query head (the group's heads share a
+    batched matmul against their KV head) and over ``block_q`` query rows at a time (one
+    softmax pass, in place), so that a long prompt costs about what dense attention does.
+
+    Returns ``(out, lse, mass)``; ``out``/``lse`` are None unless ``want_out``, ``mass`` None
+    unless ``want_mass`` (normalised by ``mass_lse`` when given, else by the call's own LSE).
+    """
+    total_q, hq, d = q.shape
+    page_size, hkv = kv_pool.shape[2], kv_pool.shape[3]
+    group, dev, neg = hq // hkv, q.device, float("-inf")
+    out = torch.zeros(total_q, hq, d, device=dev) if want_out else None
+    lse = torch.full((total_q, hq), neg, device=dev) if want_out else None
+    mass = torch.zeros(page_table.indices.numel(), hkv, device=dev) if want_mass else None
+    bounds = qo_indptr.tolist()  # host tables: the torch backend plans on the host, as the
+    starts = page_table.row_start.tolist()  # reference does (it is not the decode hot path)
+    counts, lasts = page_table.row_count.tolist(), page_table.last_page_len.tolist()
+    for b, (start, count, last) in enumerate(zip(starts, counts, lasts)):
+        q0, q1 = bounds[b], bounds[b + 1]
+        if q1 == q0 or count == 0:
+            continue
+        slots = page_table.indices[start:start + count].long()
+        n_pad = count * page_size
+        n_tok = n_pad - page_size + last
+        kv = kv_pool[slots].float()  # [count, 2, P, H_kv, D]
+        keys = kv[:, 0].permute(2, 3, 0, 1).reshape(hkv, d, n_pad)  # [H_kv, D, N]
+        values = kv[:, 1].permute(2, 0, 1, 3).reshape(hkv, n_pad, d)  # [H_kv, N, D]
+        pos_k = torch.arange(n_pad, device=dev)
+        keep = pos_k < n_tok
+        if first_lane is not None:  # left padding: lanes before first_lane[e] are masked
+            first = first_lane[start:start + count].long().repeat_interleave(page_size)
+            keep &= pos_k % page_size >= first
+        values = torch.where(keep[None, :, None], values, 0.0)  # masked lanes may be garbage
+        for i0 in range(q0, q1, block_q):
+            i1 = min(q1, i0 + block_q)
+            rows = i1 - i0
+            first_q = n_tok - (q1 - q0) + (i0 - q0)
+            pos_q = torch.arange(first_q, first_q + rows, device=dev)
+            # causal: the block sees no page past its last query's
+            hi = min(n_pad, -(-(first_q + rows) // page_size) * page_size) if causal else n_pad
+            qb = q[i0:i1].float().view(rows, hkv, group, d).permute(1, 2, 0, 3)
+            s = torch.matmul(qb.reshape(hkv, group * rows, d), keys[:, :, :hi]).mul_(scale)
+            s = s.view(hkv, group, rows, hi)  # [H_kv, G, rows, N']
+            if cap:
+                s = s.div_(cap).tanh_().mul_(cap)
+            visible = keep[None, :hi].expand(rows, hi)
+            if causal:
+                visible = visible & (pos_k[None, :hi] <= pos_q[:, None])
+            if sliding_window is not None:
+                visible = visible & (pos_q[:, None] - pos_k[None, :hi] < sliding_window)
+            s.masked_fill_(~visible, neg)
+            row_max = s.amax(dim=-1, keepdim=True)
+            shift = torch.where(torch.isinf(row_max), 0.0, row_max)
+            if mass_lse is not None:  # normalised by the given LSE: exp(s - lse)
+                norm = mass_lse[i0:i1].float().T.reshape(hkv, group, rows, 1)
+                p = s.sub_(torch.where(torch.isinf(norm), float("inf"), norm)).exp_()
+            else:
+                p = s.sub_(shift).exp_()
+                denom = p.sum(dim=-1, keepdim=True)
+                if want_out:
+                    o = torch.matmul(p.view(hkv, group * rows, hi), values[:, :hi])
+                    o = o.view(hkv, group, rows, d) / denom.clamp_min(1e-30)
+                    out[i0:i1] = o.permute(2, 0, 1, 3).reshape(rows, hq, d)
+                    row_lse = (shift + denom.log()).squeeze(-1)  # -inf where nothing is seen
+                    lse[i0:i1] = row_lse.permute(2, 0, 1).reshape(rows, hq)
+                p = p.div_(denom.clamp_min(1e-30))
+            if want_mass:
+                per_page = p.view(hkv, group * rows, hi // page_size, page_size).sum(dim=(1, 3))
+                mass[start:start + hi // page_size] += per_page.T
+    return out, lse, mass
+
+
 def paged_prefill(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -519,13 +593,12 @@ def paged_prefill(
     lse = check_out("lse", lse, (total_q, hq), torch.float32, q.device)
 
     if resolve_backend(backend, q, kv_pool) == "torch":
-        ref = paged_prefill_reference(
-            q, kv_pool, page_table, qo_indptr, sm_scale=pre.scale, causal=bool(causal),
-            sliding_window=sliding_window, softcap=pre.cap, return_page_mass=return_page_mass,
-            first_lane=first_lane)
-        out.copy_(ref.out)
-        lse.copy_(ref.lse)
-        mass = ref.page_mass.float() if ref.page_mass is not None else None
+        o, l, mass = _paged_prefill_torch(
+            q, kv_pool, page_table, qo_indptr, scale=pre.scale, causal=bool(causal),
+            sliding_window=sliding_window, cap=pre.cap, want_out=True, mass_lse=None,
+            want_mass=return_page_mass, first_lane=first_lane)
+        out.copy_(o)
+        lse.copy_(l)
         return PrefillOutput(out, lse, mass)
 
     if q.stride(-1) != 1:
@@ -603,10 +676,10 @@ def paged_prefill_mass(
     check_tensor("lse", lse, shape=(q.shape[0], pre.hq), dtypes=(torch.float32,),
                  device=q.device)
     if resolve_backend(backend, q, kv_pool) == "torch":
-        return paged_prefill_reference(
-            q, kv_pool, page_table, qo_indptr, sm_scale=pre.scale, causal=bool(causal),
-            sliding_window=sliding_window, softcap=pre.cap, return_page_mass=True,
-            mass_lse=lse, first_lane=first_lane).page_mass.float()
+        return _paged_prefill_torch(
+            q, kv_pool, page_table, qo_indptr, scale=pre.scale, causal=bool(causal),
+            sliding_window=sliding_window, cap=pre.cap, want_out=False, mass_lse=lse,
+            want_mass=True, first_lane=first_lane)[2]
     if q.stride(-1) != 1:
         q = q.contiguous()
     return _launch_mass(q, kv_pool, page_table, lse, pre)

@@ -15,7 +15,8 @@ import torch
 
 from tierattn.errors import KernelInputError, KernelUnsupportedError
 from tierattn.kernels.page_table import PageTable
-from tierattn.kernels.prefill import PrefillOutput, paged_prefill, paged_prefill_reference
+from tierattn.kernels.prefill import (PrefillOutput, paged_prefill, paged_prefill_mass,
+                                      paged_prefill_reference)
 from tierattn.kernels.testing import check_rule, margins_intact, red_zone
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -381,15 +382,20 @@ def test_page_mass_sums(case: Case, device, seed, figures):
     _check(got, q, pool, pt, qo, case, figures, msg=f"seed={seed}")
 
 
-def test_torch_backend_matches_reference(device, seed, figures):
-    case = Case((17, 5), (33, 5), 8, 2, 40, 8, F16, window=9, softcap=20.0)
+@pytest.mark.parametrize("case", CASES + [_p((17, 5), (33, 5), 8, 2, 40, 8, F16, window=9,
+                                            softcap=20.0)])
+def test_torch_backend_matches_reference(case: Case, device, seed, figures):
+    """The torch backend (blocked, one softmax pass) meets the rule on every grid case, and its
+    mass under a given LSE (``paged_prefill_mass``) is its own page mass."""
     q, pool, pt, qo = _make(case, device)
-    out = torch.empty(22, 8, 40, device=device)
+    out = torch.empty(q.shape[0], case.hq, case.d, device=device)
     got = paged_prefill(q, pool, pt, qo, out=out, return_page_mass=True, backend="torch",
                         **case.kwargs())
     assert got.out.data_ptr() == out.data_ptr()
     assert got.out.dtype == got.lse.dtype == got.page_mass.dtype == F32
     _check(got, q, pool, pt, qo, case, figures, msg=f"seed={seed}")
+    again = paged_prefill_mass(q, pool, pt, qo, got.lse, backend="torch", **case.kwargs())
+    torch.testing.assert_close(again, got.page_mass, atol=1e-5, rtol=1e-5)
 
 
 def test_boundaries(device, seed, figures):
