@@ -179,6 +179,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
         kw = dict(budgets=args.budgets or (0.25, 0.5), segments=args.segments,
                   page_size=args.page_size or FidelitySpec.page_size, seed=args.seed or 0,
+                  **({"recall": args.recall} if args.recall else {}),
                   backend=args.backend,
                   **({"methods": tuple(m for m in args.methods if m not in ("full", "oracle"))}
                      if args.methods else {}))
@@ -195,12 +196,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                              n=args.n, max_new_tokens=args.max_new_tokens,
                              **({"page_size": args.page_size} if args.page_size else {}),
                              backend=args.backend, seed=args.seed or 0,
+                             **({"recall": args.recall} if args.recall else {}),
                              out_root=args.out_root)))
         return 0
     from tierattn.eval.reasoning import ReasoningSpec, run_reasoning, summary
 
     spec = ReasoningSpec(n=args.n or 200, budgets=args.budgets or (0.25, 0.5, 0.75),
                          page_size=args.page_size or ReasoningSpec.page_size,
+                         **({"recall": args.recall} if args.recall else {}),
                          backend=args.backend,
                          **({"methods": args.methods} if args.methods else {}),
                          **({"seed": args.seed} if args.seed is not None else {}))
@@ -380,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--page-size", type=_int_at_least(1), default=None,
                     help="tokens per page (default: 8 for the reasoning eval, whose 25%% budget "
                          "needs small pages; 16 for fidelity and --data)")
+    ev.add_argument("--recall", type=_float_in(0.0, 1.0, lo_open=True), default=None,
+                    help="fraction of the cold pages topk and topk-quest recall per step, in "
+                         "(0, 1] (default 0.2, tierattn.eval.methods.RECALL)")
     ev.add_argument("--seed", type=int, default=None)
     ev.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                     help="kernel backend (auto: Triton on CUDA, the torch reference on CPU)")

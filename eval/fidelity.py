@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from tierattn.eval.methods import METHODS as ALL_METHODS
-from tierattn.eval.methods import plan_cell
+from tierattn.eval.methods import RECALL, plan_cell
 from tierattn.eval.metrics import kl_summary, mcnemar, token_kl, wilson
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
 from tierattn.eval.runner import decode
@@ -83,6 +83,7 @@ class FidelitySpec:
         pointer_items: few-shot pointer-chasing queries (0 at long contexts: the prompts are
             short).
         page_size: tokens per page.
+        recall: fraction of the cold pages ``topk``/``topk-quest`` recall per step.
         seed: seed of the passkeys, pointer items and random eviction.
         backend: kernel backend.
     """
@@ -97,6 +98,7 @@ class FidelitySpec:
     passkey_tokens: int = 480
     pointer_items: int = 20
     page_size: int = 16
+    recall: float = RECALL
     seed: int = 0
     backend: str = "auto"
 
@@ -188,7 +190,8 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
 
     shortest = min(len(x) for x in [s[:spec.prefix] for s in segs] + pk_ids)
     cells = [plan_cell(m, b, prompt_tokens=shortest, page_size=spec.page_size,
-                       max_context=max_context, backend=spec.backend, seed=spec.seed)
+                       max_context=max_context, backend=spec.backend, seed=spec.seed,
+                       recall=spec.recall)
              for m in spec.methods for b in spec.budgets]
     runs = [("full", 1.0, None, "")] + [(c.method, c.hbm, c.config, "" if c.feasible else
                                          c.reason) for c in cells]
@@ -239,6 +242,7 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
     if out_root:
         out = new_results_dir(out_root, f"fidelity-smollm2-ctx{spec.prefix + spec.continuation}-"
                               f"s{spec.segments}-ps{spec.page_size}-seed{spec.seed}-"
+                              f"{'' if spec.recall == RECALL else f'r{spec.recall:g}-'}"
                               f"b{'_'.join(f'{b:g}' for b in spec.budgets)}")
         result["out"] = str(out)
         save_json(result, out / "results.json", quiet=True)

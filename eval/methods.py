@@ -110,9 +110,11 @@ class Cell:
 
 
 def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_context: int = 4096,
-                  backend: str = "auto", seed: int = 0) -> TierConfig | None:
+                  backend: str = "auto", seed: int = 0,
+                  recall: float = RECALL) -> TierConfig | None:
     """The TierConfig of ``method`` at HBM ratio ``hbm`` (None for ``full``), sized so that its
-    resident pages and key tier together hold at most ``hbm`` of the KV bytes.
+    resident pages and key tier together hold at most ``hbm`` of the KV bytes; ``recall``: the
+    fraction of the cold pages ``topk`` and ``topk-quest`` recall per step (into staging).
 
     Raises:
         ValueError: unknown ``method``, ``hbm`` outside ``(0, 1]``, or a key tier that alone
@@ -122,6 +124,8 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
         raise ValueError(f"method={method!r} is not one of {METHODS}.")
     if not 0.0 < hbm <= 1.0:
         raise ValueError(f"hbm={hbm!r} must be a fraction in (0, 1].")
+    if not 0.0 < recall <= 1.0:
+        raise ValueError(f"recall={recall!r} must be a fraction of the cold pages in (0, 1].")
     common = {"page_size": page_size, "max_context": max_context, "backend": backend,
               "prefill_chunk_size": max_context, "seed": seed, "sink_pages": SINK_PAGES,
               "recent_pages": RECENT_PAGES, "budget_rounding": "down"}
@@ -131,7 +135,7 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
         return TierConfig.preset("offload", hot_budget=hbm, **common)
     if method in ("topk", "topk-quest"):
         score = "sketch" if method == "topk" else "quest"
-        cfg = TierConfig.preset("topk", recall_budget=RECALL, recall_score=score,
+        cfg = TierConfig.preset("topk", recall_budget=recall, recall_score=score,
                                 key_bits=KEY_BITS, prefetch="none",
                                 **{**common, "sink_pages": 0})
         resident = round(hbm - key_tier_fraction(cfg), 6)
@@ -149,14 +153,15 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
 
 
 def plan_cell(method: str, hbm: float, *, prompt_tokens: int, page_size: int = PAGE_SIZE,
-              max_context: int = 4096, backend: str = "auto", seed: int = 0) -> Cell:
+              max_context: int = 4096, backend: str = "auto", seed: int = 0,
+              recall: float = RECALL) -> Cell:
     """``method`` at ``hbm`` with its accounting; infeasible when the must-hot pages do not fit
     in the resident share of the shortest prompt (``prompt_tokens``)."""
     try:
         cfg = method_config(method, hbm, page_size=page_size, max_context=max_context,
-                            backend=backend, seed=seed)
+                            backend=backend, seed=seed, recall=recall)
     except ValueError as e:
-        if method not in METHODS or not 0.0 < hbm <= 1.0:
+        if method not in METHODS or not 0.0 < hbm <= 1.0 or not 0.0 < recall <= 1.0:
             raise
         return Cell(method, hbm, None, 0.0, 0.0, 1, False, str(e))
     must = 1 if cfg is None else cfg.sink_pages + cfg.recent_pages + 1

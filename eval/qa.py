@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tierattn.eval.methods import METHODS, evict_ratio, method_config
+from tierattn.eval.methods import METHODS, RECALL, evict_ratio, method_config
 from tierattn.eval.reasoning import TABLE_COLUMNS, Item, evaluate_items
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
 
@@ -82,7 +82,7 @@ def _prompt(tok, question: str, style: str) -> list[int]:
 def run_qa(model_dir: str | Path, data: str | Path, *, budgets=(0.25, 0.5),
            methods=tuple(m for m in METHODS if m != "oracle"), n: int | None = None,
            max_new_tokens: int = 256, page_size: int = 16, prompt_style: str = "auto",
-           batch_size: int = 8, backend: str = "auto", seed: int = 0,
+           batch_size: int = 8, backend: str = "auto", seed: int = 0, recall: float = RECALL,
            out_root: str | Path | None = "results", question_key: str = "question",
            answer_key: str = "answer") -> dict:
     """Run full + ``methods`` x ``budgets`` on the JSONL's questions with greedy decoding."""
@@ -110,7 +110,7 @@ def run_qa(model_dir: str | Path, data: str | Path, *, budgets=(0.25, 0.5),
     runs = [{"method": "full", "hbm": 1.0, "evict": 0.0, "config": None}] + [
         {"method": m, "hbm": b, "evict": evict_ratio(m, b),
          "config": method_config(m, b, page_size=page_size, max_context=max_context,
-                                 backend=backend, seed=seed)}
+                                 backend=backend, seed=seed, recall=recall)}
         for m in methods for b in budgets]
     started = time.time()
     cells = evaluate_items(model, items, runs, steps=max_new_tokens, eos_id=eos, pad_id=pad,

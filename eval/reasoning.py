@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tierattn.eval.methods import METHODS, PAGE_SIZE, evict_ratio, grid_config, plan_cell
+from tierattn.eval.methods import (METHODS, PAGE_SIZE, RECALL, evict_ratio, grid_config,
+                                   plan_cell)
 from tierattn.eval.metrics import (first_divergence, kl_summary, mcnemar, token_kl, trace_length,
                                    wilson)
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
@@ -48,6 +49,7 @@ class ReasoningSpec:
         grid_hbm, grid_evict: the HBM ratio x eviction ratio grid (``hbm + evict <= 1``).
         control_budget: HBM ratio of the 1-hop and filler controls.
         page_size: tokens per page.
+        recall: fraction of the cold pages ``topk``/``topk-quest`` recall per step.
         seed: item seed (fresh: training and its held-out sets use other seeds).
         backend: kernel backend of the tiered cache.
         batch_size: items decoded together.
@@ -60,6 +62,7 @@ class ReasoningSpec:
     grid_evict: tuple[float, ...] = (0.0, 0.25, 0.5)
     control_budget: float = 0.25
     page_size: int = PAGE_SIZE
+    recall: float = RECALL
     seed: int = 2026
     backend: str = "auto"
     batch_size: int = 200
@@ -276,7 +279,8 @@ def _plan(spec: ReasoningSpec, max_context: int,
     listed with its reason and not run); ``shortest``: the shortest prompt of each task."""
     def run(method, hbm, task):
         cell = plan_cell(method, hbm, prompt_tokens=shortest[task], page_size=spec.page_size,
-                         max_context=max_context, backend=spec.backend, seed=spec.seed)
+                         max_context=max_context, backend=spec.backend, seed=spec.seed,
+                         recall=spec.recall)
         return {"method": method, "hbm": 1.0 if method == "full" else hbm,
                 "evict": evict_ratio(method, hbm), "config": cell.config,
                 "oracle": method == "oracle", "feasible": cell.feasible, "reason": cell.reason,
@@ -352,6 +356,7 @@ def run_reasoning(spec: ReasoningSpec | None = None, *, model_dir: str | Path | 
 def results_name(spec: ReasoningSpec, model_name: str) -> str:
     """The results folder's name, from the config."""
     return (f"reasoning-{model_name}-n{spec.n}-ps{spec.page_size}-seed{spec.seed}-"
+            f"{'' if spec.recall == RECALL else f'r{spec.recall:g}-'}"
             f"b{'_'.join(f'{b:g}' for b in spec.budgets)}")
 
 

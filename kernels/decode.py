@@ -329,6 +329,65 @@ def sparse_decode_reference(
     return DecodeOutput(out, lse, mass, page_lse)
 
 
+def _sparse_decode_torch(q, kv_pool, page_table, *, scale, cap, first_lane):
+    """The torch backend of :func:`sparse_decode`: every entry at once, in fp32, with no host
+    read and no loop over rows (the reference's per-row loop costs a host sync and a dozen
+    launches per row and head). Each entry's scores give its page LSE; a row's LSE is the
+    log-sum-exp of its entries' (scatter max, then sum), and its output the entries' outputs
+    weighted by ``exp(page_lse - row_lse)``.
+
+    Returns ``(out [B, H_q, D], lse [B, H_q], mass, page_lse)`` with ``mass`` ``[nnz, H_kv]``
+    and ``page_lse`` ``[nnz, H_q]`` (``[nnz]`` and ``[nnz, G]`` for rows per KV head).
+    """
+    batch, hq, d = q.shape
+    page_size, hkv = kv_pool.shape[2], kv_pool.shape[3]
+    group, dev, neg = hq // hkv, q.device, float("-inf")
+    num_rows = page_table.num_rows
+    head_rows = num_rows != batch
+    ids = page_table.indices.long()
+    nnz = ids.numel()
+    entry = torch.arange(nnz, device=dev)
+    start, count = page_table.row_start.long(), page_table.row_count.long()
+    inside = (entry[None, :] >= start[:, None]) & (entry[None, :] < (start + count)[:, None])
+    in_row = inside.any(0)
+    row = inside.int().argmax(0)  # [nnz] (0 for an entry of no row: it is masked out)
+    lane = torch.arange(page_size, device=dev)
+    lanes = torch.where(entry == (start + count - 1)[row], page_table.last_page_len.long()[row],
+                        page_size)
+    valid = (lane[None, :] < lanes[:, None]) & in_row[:, None]  # [nnz, P]
+    if first_lane is not None:  # left padding: lanes before first_lane[e] are masked
+        valid &= lane[None, :] >= first_lane.long()[:, None]
+    kv = kv_pool[torch.where(in_row, ids, 0)].float()  # [nnz, 2, P, H_kv, D]
+    seq = row // hkv if head_rows else row
+    s = torch.einsum("nhgd,nphd->nhgp", q.float()[seq].view(nnz, hkv, group, d), kv[:, 0])
+    s = s.mul_(scale)
+    if cap:
+        s = s.div_(cap).tanh_().mul_(cap)
+    s = s.masked_fill_(~valid[:, None, None, :], neg)  # [nnz, H_kv, G, P]
+    page_lse = s.logsumexp(-1)  # [nnz, H_kv, G]
+    idx = row[:, None, None].expand_as(page_lse)
+    top = torch.full((num_rows, hkv, group), neg, device=dev).scatter_reduce_(
+        0, idx, page_lse, "amax")
+    top = torch.where(torch.isinf(top), 0.0, top)
+    total = torch.zeros(num_rows, hkv, group, device=dev).index_add_(
+        0, row, torch.exp(page_lse - top[row]))
+    row_lse = top + total.log()  # -inf for a row that sees no key
+    share = torch.exp(page_lse - torch.where(torch.isinf(row_lse), 0.0, row_lse)[row])
+    p = torch.exp(s - torch.where(torch.isinf(page_lse), 0.0, page_lse)[..., None])
+    values = torch.where(valid[:, :, None, None], kv[:, 1], 0.0)  # masked lanes may be garbage
+    o = torch.einsum("nhgp,nphd->nhgd", p, values) * share[..., None]
+    out_rows = torch.zeros(num_rows, hkv, group, d, device=dev).index_add_(0, row, o)
+    if not head_rows:
+        return (out_rows.view(batch, hq, d), row_lse.view(batch, hq), share.sum(-1),
+                page_lse.view(nnz, hq))
+    heads = torch.arange(num_rows, device=dev) % hkv  # row b * H_kv + h holds head h only
+    out = out_rows[torch.arange(num_rows, device=dev), heads].view(batch, hq, d)
+    lse = row_lse[torch.arange(num_rows, device=dev), heads].view(batch, hq)
+    mine = (row % hkv)[:, None, None].expand(nnz, 1, group)
+    return (out, lse, share.gather(1, mine).sum(-1).view(nnz),
+            page_lse.gather(1, mine).view(nnz, group))
+
+
 def sparse_decode(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -414,17 +473,20 @@ def sparse_decode(
                      device=q.device)
 
     if resolve_backend(backend, q, kv_pool) == "torch":
-        ref = sparse_decode_reference(q, kv_pool, page_table, sm_scale=scale, softcap=cap,
-                                      return_page_mass=return_page_mass,
-                                      first_lane=first_lane, page_lse=page_lse,
-                                      page_lse_index=page_lse_index)
-        out.copy_(ref.out)
-        lse.copy_(ref.lse)
-        if page_lse is not None:
+        o, row_lse, mass, entry_lse = _sparse_decode_torch(q, kv_pool, page_table, scale=scale,
+                                                           cap=cap, first_lane=first_lane)
+        out.copy_(o)
+        lse.copy_(row_lse)
+        if page_lse is not None:  # every entry of a row, to the page-LSE row it names
+            entry = torch.arange(nnz, device=q.device)
+            start, count = page_table.row_start.long(), page_table.row_count.long()
+            covered = ((entry[None, :] >= start[:, None]) &
+                       (entry[None, :] < (start + count)[:, None])).any(0)
+            page_lse[page_lse_index.long()[covered]] = entry_lse[covered]
             return DecodeOutput(out, lse, None, page_lse)
         if not return_page_mass:
             return DecodeOutput(out, lse)
-        return DecodeOutput(out, lse, ref.page_mass.float(), ref.page_lse.float())
+        return DecodeOutput(out, lse, mass, entry_lse)
 
     if q.stride(-1) != 1:
         q = q.contiguous()

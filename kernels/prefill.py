@@ -593,12 +593,12 @@ def paged_prefill(
     lse = check_out("lse", lse, (total_q, hq), torch.float32, q.device)
 
     if resolve_backend(backend, q, kv_pool) == "torch":
-        o, l, mass = _paged_prefill_torch(
+        o, row_lse, mass = _paged_prefill_torch(
             q, kv_pool, page_table, qo_indptr, scale=pre.scale, causal=bool(causal),
             sliding_window=sliding_window, cap=pre.cap, want_out=True, mass_lse=None,
             want_mass=return_page_mass, first_lane=first_lane)
         out.copy_(o)
-        lse.copy_(l)
+        lse.copy_(row_lse)
         return PrefillOutput(out, lse, mass)
 
     if q.stride(-1) != 1:

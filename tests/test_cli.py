@@ -23,6 +23,7 @@ CASES = [
     (["bench", "--budgets", "0,0.5"], "--budgets"),
     (["bench", "--hardware", "/nonexistent.json"], "--hardware"),
     (["eval", "reasoning", "--budgets", "1.5"], "--budgets"),
+    (["eval", "fidelity", "--recall", "0"], "--recall"),
     (["eval", "reasoning", "--model", "/nonexistent"], "--model"),
     (["eval", "reasoning", "--data", "/nonexistent.jsonl"], "--data"),
     (["eval", "reasoning", "--n", "0"], "--n"),

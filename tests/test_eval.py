@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from tierattn.eval.methods import (METHODS, grid_config, key_tier_fraction, method_config,
-                                   plan_cell)
+from tierattn.eval.methods import (METHODS, RECALL, grid_config, key_tier_fraction,
+                                   method_config, plan_cell)
 from tierattn.eval.metrics import (first_divergence, kl_summary, mcnemar, token_kl, trace_length,
                                    wilson)
 from tierattn.eval.report import format_table, new_results_dir, write_csv
@@ -100,6 +100,11 @@ def test_method_configs_hold_equal_hbm_bytes():
         method_config("nope", 0.5)
     with pytest.raises(ValueError, match="hbm"):
         method_config("offload", 1.5)
+    # the recall knob reaches topk and topk-quest only, and is checked
+    assert method_config("topk", 0.25, recall=0.3).recall_budget == 0.3
+    assert method_config("topk-quest", 0.25).recall_budget == RECALL
+    with pytest.raises(ValueError, match="recall=0"):
+        plan_cell("topk", 0.25, prompt_tokens=290, recall=0)
 
 
 @pytest.fixture(scope="module")

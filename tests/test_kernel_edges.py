@@ -152,7 +152,7 @@ def test_first_lane_masks_left_padding_exactly(pad, backend, device, figures):
     ptab = one_row(list(range(-(-m // p))), m - (-(-m // p) - 1) * p)
     q = torch.randn(1, hq, d, generator=gen).to(torch.bfloat16)
     res = sparse_decode(q.to(device), pages_nan.to(device), table, first_lane=first,
-                        return_page_mass=True)
+                        return_page_mass=True, backend=backend)
     ref = sparse_decode_reference(q.double(), packed.double(), ptab)
     low = sparse_decode_reference(q, packed, ptab, compute_dtype=torch.bfloat16)
     c = check_rule(res.out, ref.out, low.out, torch.bfloat16)
