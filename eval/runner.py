@@ -84,17 +84,21 @@ def decode(model, prompts: list[list[int]], config: TierConfig | None, *, steps:
     try:
         cache = TieredCache(model.config, config) if config is not None else None
         # transformers renamed `past_key_values` to `cache` during 5.x
-        arg = "cache" if "cache" in inspect.signature(model.forward).parameters \
-            else "past_key_values"
+        params = inspect.signature(model.forward).parameters
+        arg = "cache" if "cache" in params else "past_key_values"
+        # only the last position's logits: all of them are B x T x V floats (8 GB for 20
+        # prompts of 2K tokens and a 49K vocabulary) and an lm_head matmul as large
+        last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                    **{arg: cache})
+                    **{arg: cache}, **last_only)
         cache = getattr(out, arg)
         if keep is not None:
             oracle_evict(cache, [width - len(p) for p in prompts], [len(p) for p in prompts],
                          keep, keep_fraction, seed)
         tokens, logprobs = [], []
-        logits, done = out.logits[:, -1], torch.zeros(batch, dtype=torch.bool)
+        logits, done = out.logits[:, -1].clone(), torch.zeros(batch, dtype=torch.bool)
+        del out  # the prefill's activations and logits
         for s in range(steps):
             logprobs.append(torch.log_softmax(logits.float(), dim=-1))
             nxt = forced_t[:, s] if forced is not None else logits.argmax(-1)
