@@ -348,9 +348,7 @@ def _sparse_decode_torch(q, kv_pool, page_table, *, scale, cap, first_lane):
     nnz = ids.numel()
     entry = torch.arange(nnz, device=dev)
     start, count = page_table.row_start.long(), page_table.row_count.long()
-    inside = (entry[None, :] >= start[:, None]) & (entry[None, :] < (start + count)[:, None])
-    in_row = inside.any(0)
-    row = inside.int().argmax(0)  # [nnz] (0 for an entry of no row: it is masked out)
+    row, in_row = page_table.entry_rows()  # an entry of no row is masked out
     lane = torch.arange(page_size, device=dev)
     lanes = torch.where(entry == (start + count - 1)[row], page_table.last_page_len.long()[row],
                         page_size)
@@ -478,10 +476,7 @@ def sparse_decode(
         out.copy_(o)
         lse.copy_(row_lse)
         if page_lse is not None:  # every entry of a row, to the page-LSE row it names
-            entry = torch.arange(nnz, device=q.device)
-            start, count = page_table.row_start.long(), page_table.row_count.long()
-            covered = ((entry[None, :] >= start[:, None]) &
-                       (entry[None, :] < (start + count)[:, None])).any(0)
+            covered = page_table.entry_rows()[1]
             page_lse[page_lse_index.long()[covered]] = entry_lse[covered]
             return DecodeOutput(out, lse, None, page_lse)
         if not return_page_mass:

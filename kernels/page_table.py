@@ -147,6 +147,15 @@ class PageTable:
         count = self.row_count.long()
         return torch.where(count > 0, (count - 1) * page_size + self.last_page_len.long(), 0)
 
+    def entry_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(row, listed)``, both ``[nnz]``: the row each entry belongs to (0 for an entry of no
+        row) and whether it belongs to one; on the device, no host read (the torch backends)."""
+        entry = torch.arange(self.indices.numel(), device=self.indices.device)
+        start = self.row_start.long()[:, None]
+        inside = (entry[None, :] >= start) & \
+            (entry[None, :] < start + self.row_count.long()[:, None])
+        return inside.int().argmax(0), inside.any(0)
+
     def to(self, device: torch.device | str) -> PageTable:
         return PageTable(*(t.to(device) for t in
                            (self.indices, self.row_start, self.row_count, self.last_page_len)))

@@ -257,12 +257,8 @@ def _sketch_score_torch(q: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor
     nnz = ids.numel()
     if batch == 0 or nnz == 0:
         return torch.full((nnz, hkv), float("-inf"), device=q.device)
-    entry = torch.arange(nnz, device=q.device)
-    start = page_table.row_start.long()[:, None]
-    inside = (entry[None, :] >= start) & \
-        (entry[None, :] < start + page_table.row_count.long()[:, None])  # [B, nnz]
-    valid = inside.any(0) & (ids >= 0) & (ids < num_meta)
-    row = inside.int().argmax(0)
+    row, listed = page_table.entry_rows()
+    valid = listed & (ids >= 0) & (ids < num_meta)
     safe = torch.where(valid, ids, 0)
     k_hat = unpack_keys(codes[safe], kmin[safe], kmax[safe], bits=bits)  # [nnz, H_kv, P, D]
     qe = q.float()[row].view(nnz, hkv, hq // hkv, d)
