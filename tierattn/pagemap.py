@@ -494,11 +494,21 @@ class PageMap:
 
 
 def _scatter(buf: torch.Tensor, pos, val) -> None:
-    """``buf[pos[i]] = val[i]`` on the device (lists or host tensors): one small upload, one
-    indexed write."""
-    if len(pos):
-        buf[torch.as_tensor(pos, dtype=torch.long).to(buf.device)] = \
-            torch.as_tensor(val).to(buf.device, buf.dtype)
+    """``buf[pos[i]] = val[i]`` in order, on the device (lists or host tensors): one small
+    upload, one indexed write. A position written more than once (a row's count, once per page
+    appended to it) gets its last value: the repeats are dropped on the host first, because an
+    indexed write with repeated positions may keep any of their values (CPU threads and CUDA
+    both race on it)."""
+    if not len(pos):
+        return
+    pos = torch.as_tensor(pos, dtype=torch.long)
+    val = torch.as_tensor(val)
+    uniq, inv = torch.unique(pos, return_inverse=True)
+    if len(uniq) < len(pos):  # the last write of each position
+        last = torch.zeros(len(uniq), dtype=torch.long).scatter_reduce_(
+            0, inv, torch.arange(len(pos)), "amax", include_self=False)
+        pos, val = uniq, val[last]
+    buf[pos.to(buf.device)] = val.to(buf.device, buf.dtype)
 
 
 class _Arrays:
