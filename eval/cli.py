@@ -21,8 +21,9 @@ from pathlib import Path
 
 
 #: the eval's methods (tierattn.eval.methods.METHODS, listed here so --help imports no torch)
-METHOD_NAMES = ("full", "offload", "topk", "topk-quest", "evict-h2o", "evict-snapkv",
-                "evict-snapkv-decode", "evict-rkv", "evict-streaming", "evict-random", "oracle")
+METHOD_NAMES = ("full", "offload", "topk", "topk-max", "topk-quest", "evict-h2o",
+                "evict-snapkv", "evict-snapkv-decode", "evict-rkv", "evict-streaming",
+                "evict-random", "oracle")
 
 
 class UsageError(Exception):
@@ -384,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens per page (default: 8 for the reasoning eval, whose 25%% budget "
                          "needs small pages; 16 for fidelity and --data)")
     ev.add_argument("--recall", type=_float_in(0.0, 1.0, lo_open=True), default=None,
-                    help="fraction of the cold pages topk and topk-quest recall per step, in "
+                    help="fraction of the cold pages the topk methods recall per step, in "
                          "(0, 1] (default 0.2, tierattn.eval.methods.RECALL)")
     ev.add_argument("--seed", type=int, default=None)
     ev.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",

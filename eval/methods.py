@@ -14,8 +14,9 @@ holds a partial page over its share; a cell whose must-hot pages do not fit in i
 ``offload``        ``hbm`` hot, the rest demoted to DDR and fetched back for every step
                    (``attend="all"``): exact, whatever the budget
 ``topk``           ``hbm`` minus the key tier hot, plus the ``RECALL`` best cold pages per step
-                   by the key sketch (the largest logit of the query against every key of the
-                   page, from ``KEY_BITS``-bit keys in HBM), fetched from DDR into staging
+                   by the key sketch (each page's estimated share of each KV head's attention,
+                   from ``KEY_BITS``-bit keys in HBM), fetched from DDR into staging
+``topk-max``       the same ranked by the sketch's largest logit per page (the needle finder)
 ``topk-quest``     the same with Quest's bound instead of the sketch (the key range only)
 ``evict-h2o``      ``hbm`` kept, the rest dropped by accumulated attention (H2O)
 ``evict-snapkv``   ``hbm`` kept, dropped once after prefill by the prompt's last queries (SnapKV)
@@ -57,12 +58,14 @@ from dataclasses import dataclass
 
 from tierattn.config import TierConfig, TierSpec
 
-__all__ = ["METHODS", "PAGE_SIZE", "RECALL", "SINK_PAGES", "RECENT_PAGES", "Cell", "evict_ratio",
-           "grid_config", "key_tier_fraction", "method_config", "plan_cell"]
+__all__ = ["METHODS", "PAGE_SIZE", "RECALL", "TOPK", "SINK_PAGES", "RECENT_PAGES", "Cell",
+           "evict_ratio", "grid_config", "key_tier_fraction", "method_config", "plan_cell"]
 
-METHODS = ("full", "offload", "topk", "topk-quest", "evict-h2o", "evict-snapkv",
+METHODS = ("full", "offload", "topk", "topk-max", "topk-quest", "evict-h2o", "evict-snapkv",
            "evict-snapkv-decode", "evict-rkv", "evict-streaming", "evict-random", "oracle")
 
+#: the recall methods: the same budget and recall, ranked three ways
+TOPK = ("topk", "topk-max", "topk-quest")
 #: tokens per page of the eval (see the module docstring)
 PAGE_SIZE = 8
 #: fraction of the cold pages top-k recalls per step (into staging, outside the budget)
@@ -114,7 +117,7 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
                   recall: float = RECALL) -> TierConfig | None:
     """The TierConfig of ``method`` at HBM ratio ``hbm`` (None for ``full``), sized so that its
     resident pages and key tier together hold at most ``hbm`` of the KV bytes; ``recall``: the
-    fraction of the cold pages ``topk`` and ``topk-quest`` recall per step (into staging).
+    fraction of the cold pages the ``topk`` methods recall per step (into staging).
 
     Raises:
         ValueError: unknown ``method``, ``hbm`` outside ``(0, 1]``, or a key tier that alone
@@ -133,10 +136,11 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
         return None
     if method == "offload":
         return TierConfig.preset("offload", hot_budget=hbm, **common)
-    if method in ("topk", "topk-quest"):
-        score = "sketch" if method == "topk" else "quest"
+    if method in TOPK:
+        score = "quest" if method == "topk-quest" else "sketch"
+        reduce = "max" if method == "topk-max" else "lse"
         cfg = TierConfig.preset("topk", recall_budget=recall, recall_score=score,
-                                key_bits=KEY_BITS, prefetch="none",
+                                sketch_reduce=reduce, key_bits=KEY_BITS, prefetch="none",
                                 **{**common, "sink_pages": 0})
         resident = round(hbm - key_tier_fraction(cfg), 6)
         if resident <= 0:
@@ -177,7 +181,7 @@ def plan_cell(method: str, hbm: float, *, prompt_tokens: int, page_size: int = P
 
 def evict_ratio(method: str, hbm: float) -> float:
     """The fraction of each sequence ``method`` drops for good at HBM ratio ``hbm``."""
-    return 0.0 if method in ("full", "offload", "topk", "topk-quest") else round(1.0 - hbm, 6)
+    return 0.0 if method in ("full", "offload", *TOPK) else round(1.0 - hbm, 6)
 
 
 def grid_config(hbm: float, evict: float, *, page_size: int = PAGE_SIZE, max_context: int = 4096,

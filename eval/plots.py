@@ -8,7 +8,7 @@ __all__ = ["reasoning_plots"]
 
 #: one colour per method, stable across plots
 COLORS = {"full": "black", "offload": "tab:green", "topk": "tab:olive",
-          "topk-quest": "tab:cyan", "evict-h2o": "tab:red",
+          "topk-max": "yellowgreen", "topk-quest": "tab:cyan", "evict-h2o": "tab:red",
           "evict-snapkv": "tab:orange", "evict-streaming": "tab:purple",
           "evict-random": "tab:gray", "oracle": "tab:blue", "h2o+offload": "tab:brown",
           "evict-snapkv-decode": "tab:pink", "evict-rkv": "darkred"}

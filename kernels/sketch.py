@@ -11,9 +11,14 @@ the codes alone, ``bits / 32`` of 16-bit K+V, 12.5% at 4 bits):
     code[j, c] = round((k[j, c] - kmin[c]) / (kmax[c] - kmin[c]) * L),   L = 2**bits - 1
     k_hat[j, c] = kmin[c] + code[j, c] * (kmax[c] - kmin[c]) / L
 
-and scores the page by the largest estimated logit ``max_{g, j} q_g . k_hat_j`` over the ``G``
-query heads of the KV head's group and the page's keys (raw dot products: no ``sm_scale``, no
-softcap; both are monotonic).
+and scores the page from the estimated logits ``s_gj = softcap(sm_scale q_g . k_hat_j)`` of the
+``G`` query heads of the KV head's group and the page's ``P`` keys, reduced one of two ways:
+
+- ``reduce="max"``: the largest logit ``max_{g, j} s_gj`` -- the page holding the single best
+  key (a needle);
+- ``reduce="lse"``: ``log sum_{g, j} exp(s_gj)``, the log of the page's unnormalized attention
+  mass summed over the group's heads -- an estimate of how much of the softmax the page takes,
+  which also counts a page whose mass is spread over many keys (real text).
 
 Layout: ``codes [num_meta, H_kv, P, W]`` uint8 with ``W = D * bits / 8`` bytes per key. Byte
 ``w`` of a key holds the codes of channels ``w, w + W, w + 2W, ...`` at bit offsets
@@ -25,9 +30,11 @@ Kernel (:func:`sketch_score`): ``q . k_hat_j = q . kmin + sum_c code[j, c] (q_c 
 ``base[g] = q_g . kmin`` and ``qs[g, c] = q_g[c] step[c]`` (both from the metadata row, read once
 per group). The ``[P, W]`` byte tile is read once and split into its ``8 / bits`` bit-planes,
 ``code_i = (byte >> bits i) & L`` for the channels ``i W .. i W + W - 1``; laid side by side
-(plane-major) they line up with ``qs``, and ``base + codes . qs`` is reduced with ``max`` over the
-page's keys and the group's heads. One program per (sequence, KV head, split), streaming its share
-of the row in tiles of ``BLOCK_E`` entries and ``BLOCK_P`` keys, like :mod:`.score`.
+(plane-major) they line up with ``qs``, and ``base + codes . qs`` is reduced over the page's keys
+and the group's heads (``lse`` online: a running max and a rescaled sum, as flash attention
+does). ``sm_scale`` is folded into ``q`` once. One program per (sequence, KV head, split),
+streaming its share of the row in tiles of ``BLOCK_E`` entries and ``BLOCK_P`` keys, like
+:mod:`.score`.
 """
 
 from __future__ import annotations
@@ -39,9 +46,12 @@ import triton.language as tl
 from tierattn.errors import KernelInputError
 
 from ._common import (
-    check_num_splits,
+    _softcap,
     Backend,
+    check_num_splits,
     check_out,
+    check_sm_scale,
+    check_softcap,
     check_tensor,
     next_pow2,
     resolve_backend,
@@ -51,11 +61,13 @@ from .page_table import PageTable
 from .score import auto_score_splits, check_metadata_inputs
 from .tuning import check_config
 
-__all__ = ["SKETCH_BITS", "quantize_keys", "sketch_bytes", "sketch_score",
+__all__ = ["SKETCH_BITS", "SKETCH_REDUCES", "quantize_keys", "sketch_bytes", "sketch_score",
            "sketch_score_reference", "sketch_width", "unpack_keys"]
 
 #: code widths the sketch supports
 SKETCH_BITS = (2, 4, 8)
+#: how a page's logits become its score: the largest, or the log of their exp-sum (page mass)
+SKETCH_REDUCES = ("max", "lse")
 #: most metadata rows per tile; fewer when ``G * P * D`` is large.
 MAX_BLOCK_E = 16
 #: target size of the ``[BLOCK_E, G, BLOCK_P, D]`` product tile (registers on GPU).
@@ -73,7 +85,9 @@ def _sketch_score_kernel(
     stride_kmin_row, stride_kmin_head, stride_kmin_d,
     stride_kmax_row, stride_kmax_head, stride_kmax_d,
     stride_out_e, stride_out_h,
-    BITS: tl.constexpr, LEVELS: tl.constexpr, PLANES: tl.constexpr,
+    sm_scale,
+    BITS: tl.constexpr, LEVELS: tl.constexpr, PLANES: tl.constexpr, SOFTCAP: tl.constexpr,
+    REDUCE_LSE: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
@@ -104,6 +118,7 @@ def _sketch_score_kernel(
 
     p_q = q_ptr + i_b * stride_qb + o_qh[:, None] * stride_qh + o_c[None, :] * stride_qd
     b_q = tl.load(p_q, mask=m_g[:, None] & m_x[None, :], other=0.0).to(tl.float32)  # [BG, BX]
+    b_q = b_q * sm_scale  # logits in softmax units from here on
 
     for e0 in range(e_begin, e_end, BLOCK_E):
         m_e = (e0 + o_e) < e_end
@@ -121,7 +136,8 @@ def _sketch_score_kernel(
         b_base = tl.sum(b_q[None, :, :] * b_kmin[:, None, :], axis=2)  # [BE, BG] q . kmin
         b_qs = b_q[None, :, :] * b_step[:, None, :]  # [BE, BG, BX] q_c * step_c
 
-        b_best = tl.full([BLOCK_E], float("-inf"), dtype=tl.float32)
+        b_best = tl.full([BLOCK_E], float("-inf"), dtype=tl.float32)  # running max
+        b_sum = tl.zeros([BLOCK_E], dtype=tl.float32)  # sum of exp(logit - b_best) (lse)
         p_row = codes_ptr + b_id * stride_c_row + i_h * stride_c_head  # [BE]
         for p0 in range(0, page_size, BLOCK_P):
             m_p = (p0 + o_p) < page_size
@@ -133,8 +149,17 @@ def _sketch_score_kernel(
             b_code = tl.reshape(b_code, (BLOCK_E, BLOCK_P, PLANES * BLOCK_W)).to(tl.float32)
             b_s = tl.sum(b_code[:, None, :, :] * b_qs[:, :, None, :], axis=3)  # [BE, BG, BP]
             b_s = b_s + b_base[:, :, None]
+            if SOFTCAP > 0:
+                b_s = _softcap(b_s, SOFTCAP)
             b_s = tl.where(m_g[None, :, None] & m_p[None, None, :], b_s, float("-inf"))
-            b_best = tl.maximum(b_best, tl.max(tl.max(b_s, axis=2), axis=1))
+            # every tile holds a real key and head, so its max is finite: no inf - inf below
+            b_new = tl.maximum(b_best, tl.max(tl.max(b_s, axis=2), axis=1))
+            if REDUCE_LSE:
+                b_p = tl.exp(b_s - b_new[:, None, None])
+                b_sum = b_sum * tl.exp(b_best - b_new) + tl.sum(tl.sum(b_p, axis=2), axis=1)
+            b_best = b_new
+        if REDUCE_LSE:
+            b_best = b_best + tl.log(b_sum)
         b_score = tl.where(m_id, b_best, float("-inf"))
         p_out = out_ptr + (row_start + e0 + o_e) * stride_out_e + i_h * stride_out_h
         tl.store(p_out, b_score, mask=m_e)
@@ -186,11 +211,27 @@ def unpack_keys(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *,
     return lo + code * (hi - lo) / levels
 
 
+def _logits(q: torch.Tensor, k_hat: torch.Tensor, sm_scale: float, softcap: float
+            ) -> torch.Tensor:
+    """``[n, H_kv, G, P]`` logits ``softcap(sm_scale q_g . k_hat_j)`` of queries ``q [n, H_kv,
+    G, D]`` against keys ``k_hat [n, H_kv, P, D]``."""
+    s = torch.einsum("nhgd,nhpd->nhgp", q * sm_scale, k_hat)
+    return s.div_(softcap).tanh_().mul_(softcap) if softcap else s
+
+
+def _reduce(logits: torch.Tensor, reduce: str) -> torch.Tensor:
+    """``[n, H_kv]`` score of ``[n, H_kv, G, P]`` logits over the group's heads and the keys."""
+    flat = logits.flatten(2)
+    return flat.logsumexp(dim=2) if reduce == "lse" else flat.amax(dim=2)
+
+
 def sketch_score_reference(q: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor,
                            kmax: torch.Tensor, page_table: PageTable, *, bits: int,
+                           reduce: str = "max", sm_scale: float | None = None,
+                           softcap: float | None = None,
                            compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Plain-torch sketch score: ``[nnz, H_kv]`` ``max_{g, j} q_g . k_hat_j`` of each listed
-    metadata row (``-inf`` for entries outside every row), one row at a time.
+    """Plain-torch sketch score: ``[nnz, H_kv]`` score of each listed metadata row (``-inf`` for
+    entries outside every row), one row at a time.
 
     Args:
         q: ``[B, H_q, D]`` decode query.
@@ -199,11 +240,13 @@ def sketch_score_reference(q: torch.Tensor, codes: torch.Tensor, kmin: torch.Ten
         kmin, kmax: ``[num_meta, H_kv, D]`` the ranges the codes were made in.
         page_table: one row per sequence listing metadata rows.
         bits: the codes' width.
+        reduce, sm_scale, softcap: as :func:`sketch_score`.
         compute_dtype: default fp32 (fp64 for fp64 inputs).
     """
     batch, hq, d = q.shape
     hkv = kmin.shape[1]
     group = hq // hkv
+    scale, cap = check_sm_scale(sm_scale, d), check_softcap(softcap)
     dt = compute_dtype or torch.promote_types(q.dtype, torch.float32)
     out = torch.full((page_table.indices.numel(), hkv), float("-inf"), dtype=dt,
                      device=q.device)
@@ -213,9 +256,8 @@ def sketch_score_reference(q: torch.Tensor, codes: torch.Tensor, kmin: torch.Ten
             continue
         ids = page_table.indices[start:start + count].long()
         k_hat = unpack_keys(codes[ids], kmin[ids], kmax[ids], bits=bits, dtype=dt)  # [n,H,P,D]
-        qb = q[b].to(dt).view(hkv, group, d)
-        logits = torch.einsum("hgd,nhpd->nhgp", qb, k_hat)
-        out[start:start + count] = logits.amax(dim=(2, 3))
+        qb = q[b].to(dt).view(1, hkv, group, d).expand(count, -1, -1, -1)
+        out[start:start + count] = _reduce(_logits(qb, k_hat, scale, cap), reduce)
     return out
 
 
@@ -231,9 +273,12 @@ def _default_config(group: int, page_size: int, head_dim: int, bits: int) -> dic
     return {"block_e": 1 << (block_e.bit_length() - 1), "block_p": block_p}
 
 
-def _check_sketch_inputs(q, codes, kmin, kmax, page_table, bits):
+def _check_sketch_inputs(q, codes, kmin, kmax, page_table, bits, reduce):
     batch, _, d, num_meta, hkv, group = check_metadata_inputs("sketch_score", q, kmin, kmax,
                                                               page_table)
+    if reduce not in SKETCH_REDUCES:
+        raise KernelInputError(f"reduce={reduce!r} is not one of {SKETCH_REDUCES}: 'max' for "
+                               "the page's best logit, 'lse' for its attention mass.")
     check_tensor("codes", codes, ndim=4, dtypes=(torch.uint8,), device=q.device)
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SKETCH_BITS:
         raise KernelInputError(f"bits={bits!r} is not one of {SKETCH_BITS}.")
@@ -248,7 +293,8 @@ def _check_sketch_inputs(q, codes, kmin, kmax, page_table, bits):
 
 
 def _sketch_score_torch(q: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor,
-                        kmax: torch.Tensor, page_table: PageTable, *, bits: int) -> torch.Tensor:
+                        kmax: torch.Tensor, page_table: PageTable, *, bits: int, reduce: str,
+                        sm_scale: float, softcap: float) -> torch.Tensor:
     """The torch backend: every entry at once (no loop over rows, no host read), in fp32;
     like the kernel, an out-of-range metadata id reads nothing and scores -inf."""
     batch, hq, d = q.shape
@@ -262,7 +308,7 @@ def _sketch_score_torch(q: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor
     safe = torch.where(valid, ids, 0)
     k_hat = unpack_keys(codes[safe], kmin[safe], kmax[safe], bits=bits)  # [nnz, H_kv, P, D]
     qe = q.float()[row].view(nnz, hkv, hq // hkv, d)
-    score = torch.einsum("nhgd,nhpd->nhgp", qe, k_hat).amax(dim=(2, 3))
+    score = _reduce(_logits(qe, k_hat, sm_scale, softcap), reduce)
     return score.masked_fill_(~valid[:, None], float("-inf"))
 
 
@@ -274,20 +320,24 @@ def sketch_score(
     page_table: PageTable,
     *,
     bits: int,
+    reduce: str = "max",
+    sm_scale: float | None = None,
+    softcap: float | None = None,
     num_splits: int | str = "auto",
     out: torch.Tensor | None = None,
     validate: bool = True,
     config: dict[str, int] | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
-    """Sketch estimate of each listed page's best logit: ``max_{g, j} q_g . k_hat_j``.
+    """Sketch estimate of each listed page's best logit or attention mass.
 
-    For each entry of a row (a metadata row ``m``) and KV head ``h``: the largest dot product of
-    the ``G = H_q/H_kv`` query heads of the group (``h G .. h G + G - 1``) with the page's ``P``
-    dequantized keys ``k_hat[m, h, j] = kmin + code * (kmax - kmin) / (2**bits - 1)`` (see the
-    module docstring for the packing). Unlike Quest's bound it is an estimate, not a bound: the
-    error of one logit is at most ``sum_c |q_c| step_c / 2``. Raw dot products: no ``sm_scale``,
-    no softcap (both monotonic, so a top-k picks the same pages).
+    For each entry of a row (a metadata row ``m``) and KV head ``h``: the logits
+    ``s_gj = softcap(sm_scale q_g . k_hat_j)`` of the ``G = H_q/H_kv`` query heads of the group
+    (``h G .. h G + G - 1``) against the page's ``P`` dequantized keys
+    ``k_hat[m, h, j] = kmin + code * (kmax - kmin) / (2**bits - 1)`` (see the module docstring
+    for the packing), reduced to ``max_{g, j} s_gj`` or ``log sum_{g, j} exp(s_gj)``. Unlike
+    Quest's bound it is an estimate, not a bound: the error of one raw dot product is at most
+    ``sum_c |q_c| step_c / 2``.
 
     Args:
         q: ``[B, H_q, D]`` decode query (post-RoPE), fp16/bf16/fp32.
@@ -299,6 +349,13 @@ def sketch_score(
         page_table: one row per sequence (``R = B``) whose ``indices`` are metadata rows;
             ``last_page_len`` is not read.
         bits: the codes' width, one of :data:`SKETCH_BITS`.
+        reduce: ``"max"`` (the page's largest logit: a top-k by it finds the page of the single
+            best key) or ``"lse"`` (the log of the page's exp-summed logits over the group's
+            heads: its unnormalized attention mass, which ranks pages as the softmax weighs
+            them). ``max`` is monotonic in ``sm_scale`` and ``softcap``; ``lse`` is not, so
+            pass the attention's own.
+        sm_scale: logit scale (default ``D ** -0.5``).
+        softcap: optional logit softcap ``c``: logits become ``c * tanh(s / c)``.
         num_splits: programs per (sequence, KV head) sharing a row's entries, an int >= 1 or
             ``"auto"`` (host sizes only, no sync); results do not depend on it.
         out: optional ``[nnz, H_kv]`` fp32 buffer.
@@ -307,14 +364,15 @@ def sketch_score(
             nothing and score ``-inf``.
         config: launch parameters ``block_e`` (entries per tile), ``block_p`` (keys per tile)
             and ``num_warps``, powers of two; defaults from ``TILE_ELEMENTS``.
-        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (the reference, in fp32).
+        backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (vectorised, in fp32).
 
     Returns:
         ``[nnz, H_kv]`` fp32 scores aligned with ``page_table.indices``; entries that belong to
         no row are ``-inf``.
     """
-    batch, d, num_meta, hkv, group, page_size = _check_sketch_inputs(q, codes, kmin, kmax,
-                                                                     page_table, bits)
+    batch, d, num_meta, hkv, group, page_size = _check_sketch_inputs(
+        q, codes, kmin, kmax, page_table, bits, reduce)
+    scale, cap = check_sm_scale(sm_scale, d), check_softcap(softcap)
     splits = check_num_splits(num_splits)
     config = check_config("sketch", config)
     nnz = page_table.indices.numel()
@@ -323,7 +381,8 @@ def sketch_score(
         page_table.validate(num_meta, None, ids="metadata rows of codes/kmin/kmax")
 
     if resolve_backend(backend, q, codes, kmin, kmax) == "torch":
-        out.copy_(_sketch_score_torch(q, codes, kmin, kmax, page_table, bits=bits))
+        out.copy_(_sketch_score_torch(q, codes, kmin, kmax, page_table, bits=bits,
+                                      reduce=reduce, sm_scale=scale, softcap=cap))
         return out
 
     out.fill_(float("-inf"))
@@ -341,7 +400,9 @@ def sketch_score(
             kmin.stride(0), kmin.stride(1), kmin.stride(2),
             kmax.stride(0), kmax.stride(1), kmax.stride(2),
             out.stride(0), out.stride(1),
-            BITS=bits, LEVELS=(1 << bits) - 1, PLANES=8 // bits,
+            scale,
+            BITS=bits, LEVELS=(1 << bits) - 1, PLANES=8 // bits, SOFTCAP=cap,
+            REDUCE_LSE=reduce == "lse",
             BLOCK_E=cfg["block_e"], BLOCK_G=next_pow2(group), BLOCK_P=cfg["block_p"],
             BLOCK_W=next_pow2(width),
             **({"num_warps": cfg["num_warps"]} if "num_warps" in cfg else {}),

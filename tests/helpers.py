@@ -30,15 +30,16 @@ class Shadow:
         self.k[layer] = torch.cat([self.k[layer], k.cpu()], 2)
         self.v[layer] = torch.cat([self.v[layer], v.cpu()], 2)
 
-    def attend(self, layer: int, q: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """fp64 causal attention of the newest ``T`` queries; ``keep [B, n]`` masks dropped
-        tokens."""
+    def attend(self, layer: int, q: torch.Tensor, keep: torch.Tensor | None = None, *,
+               sm_scale: float | None = None) -> torch.Tensor:
+        """fp64 causal attention of the newest ``T`` queries (scale ``sm_scale``, default
+        ``D ** -0.5``); ``keep [B, n]`` masks dropped tokens."""
         k, v = self.k[layer].double(), self.v[layer].double()
         b, hq, t, d = q.shape
         g = hq // k.shape[1]
         k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
         n = k.shape[2]
-        s = q.double().cpu() @ k.transpose(-1, -2) / math.sqrt(d)
+        s = q.double().cpu() @ k.transpose(-1, -2) * (sm_scale or 1 / math.sqrt(d))
         visible = torch.arange(n)[None, :] <= (n - t + torch.arange(t))[:, None]
         s = s.masked_fill(~visible, float("-inf"))
         if keep is not None:

@@ -33,6 +33,7 @@ CONFIGS = {
     "topk-speculative": TierConfig.preset("topk", prefetch="speculative"),
     "topk-quest": TierConfig.preset("topk", recall_score="quest"),
     "topk-2bit": TierConfig.preset("topk", key_bits=2),
+    "topk-max": TierConfig.preset("topk", sketch_reduce="max"),
     "evict-h2o": TierConfig.preset("evict-h2o"),
     "evict-snapkv": TierConfig.preset("evict-snapkv"),
     "evict-streaming": TierConfig.preset("evict-streaming"),

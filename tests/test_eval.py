@@ -69,9 +69,10 @@ def test_method_configs_hold_equal_hbm_bytes():
         cfg = method_config(m, 0.5)
         if m == "full":
             assert cfg is None
-        elif m in ("topk", "topk-quest"):  # resident pages + key tier = the budget
+        elif m.startswith("topk"):  # resident pages + key tier = the budget
             assert cfg.hot_budget + key_tier_fraction(cfg) == pytest.approx(0.5)
-            assert cfg.recall_score == ("sketch" if m == "topk" else "quest")
+            assert cfg.recall_score == ("quest" if m == "topk-quest" else "sketch")
+            assert cfg.sketch_reduce == ("max" if m == "topk-max" else "lse")
             assert cfg.budget_rounding == "down" and cfg.sink_pages == 0
         elif m == "oracle":
             assert cfg.evict_budget == 0 and len(cfg.tiers) == 1

@@ -59,27 +59,30 @@ def _table(counts, num_meta, layout, device, pad=0):
     return PageTable.from_padded(table, kv_lens, 1)
 
 
-def _check(q, codes, kmin, kmax, table, bits, out):
-    """The rule against fp64, with torch in the inputs' dtype as the low-precision baseline."""
+def _check(q, codes, kmin, kmax, table, bits, out, **kw):
+    """The rule against fp64, with torch in the inputs' dtype as the low-precision baseline
+    (``kw``: reduce, sm_scale, softcap)."""
     ref = sketch_score_reference(q.double(), codes, kmin.double(), kmax.double(), table,
-                                 bits=bits)
-    lowp = sketch_score_reference(q, codes, kmin, kmax, table, bits=bits, compute_dtype=q.dtype)
+                                 bits=bits, **kw)
+    lowp = sketch_score_reference(q, codes, kmin, kmax, table, bits=bits, compute_dtype=q.dtype,
+                                  **kw)
     assert out.dtype == torch.float32 and out.shape == ref.shape
     # entries outside every row are exactly -inf, and only those
     assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
     return check_rule(out, ref, lowp, q.dtype)
 
 
-def _exact_max_logit(q, keys, table):
-    """``[nnz, H_kv]`` fp64 ``max_{g, j} q_g . k_j`` over the true keys of each listed page."""
+def _exact_max_logit(q, keys, table, reduce="max", sm_scale=1.0):
+    """``[nnz, H_kv]`` fp64 ``max_{g, j} s_gj`` (or ``log sum exp`` with ``reduce="lse"``) of
+    the raw logits ``s_gj = sm_scale q_g . k_j`` over the true keys of each listed page."""
     batch, hq, d = q.shape
     hkv = keys.shape[2]
     out = torch.full((table.indices.numel(), hkv), float("-inf"), dtype=torch.float64)
     for b, (start, count) in enumerate(zip(table.row_start.tolist(), table.row_count.tolist())):
         ids = table.indices[start:start + count].long()
         qb = q[b].double().view(hkv, hq // hkv, d)
-        logits = torch.einsum("hgd,nphd->nhgp", qb, keys[ids].double())
-        out[start:start + count] = logits.amax(dim=(2, 3))
+        logits = torch.einsum("hgd,nphd->nhgp", qb, keys[ids].double()).flatten(2) * sm_scale
+        out[start:start + count] = logits.logsumexp(2) if reduce == "lse" else logits.amax(2)
     return out
 
 
@@ -128,9 +131,11 @@ def test_codes_layout_is_channel_blocked(bits, device, seed):
     assert sketch_bytes(16, 8, 128, bits) == 16 * 8 * 128 * bits // 8
 
 
-def test_sketch_exact_on_the_code_grid(device, seed):
+@pytest.mark.parametrize("reduce", ["max", "lse"])
+def test_sketch_exact_on_the_code_grid(reduce, device, seed):
     """Keys on the code grid (and one-key pages, kmin == kmax) are represented exactly: the
-    sketch score is the exact max logit (to fp32 rounding)."""
+    sketch score is the exact max logit, or the exact log-sum-exp of the page's logits (to
+    fp32 rounding), at any sm_scale; a one-key, one-head page's two reductions agree."""
     bits, levels = 2, 3
     keys = torch.randint(0, levels + 1, (6, 8, 2, 64), device=device).float() - 1.0
     keys[:, 0], keys[:, 1] = -1.0, levels - 1.0  # ranges [-1, 2]: step 1
@@ -138,29 +143,37 @@ def test_sketch_exact_on_the_code_grid(device, seed):
     codes = quantize_keys(keys, kmin, kmax, bits=bits)
     q = torch.randn(2, 8, 64, device=device)
     table = _table([4, 2], 6, "csr", device)
-    out = sketch_score(q, codes, kmin, kmax, table, bits=bits)
-    torch.testing.assert_close(out.double(), _exact_max_logit(q, keys, table), rtol=1e-5,
-                               atol=1e-5)
+    for scale in (1.0, 0.125):
+        out = sketch_score(q, codes, kmin, kmax, table, bits=bits, reduce=reduce,
+                           sm_scale=scale)
+        torch.testing.assert_close(out.double(), _exact_max_logit(q, keys, table, reduce, scale),
+                                   rtol=1e-5, atol=1e-5)
     one = torch.randn(5, 1, 2, 64, device=device)
     codes1 = quantize_keys(one, one[:, 0], one[:, 0], bits=8)
     table1 = _table([2, 3], 5, "padded", device)
-    out1 = sketch_score(q, codes1, one[:, 0], one[:, 0], table1, bits=8)
-    torch.testing.assert_close(out1.double(), _exact_max_logit(q, one, table1), rtol=1e-5,
-                               atol=1e-5)
+    out1 = sketch_score(q, codes1, one[:, 0], one[:, 0], table1, bits=8, reduce=reduce)
+    torch.testing.assert_close(out1.double(), _exact_max_logit(q, one, table1, reduce, 0.125),
+                               rtol=1e-5, atol=1e-5)
+    q1 = q[:, ::4].contiguous()  # one query head per KV head: lse of one logit is the logit
+    lse, top = (sketch_score(q1, codes1, one[:, 0], one[:, 0], table1, bits=8, reduce=r)
+                for r in ("lse", "max"))
+    torch.testing.assert_close(lse, top, rtol=1e-6, atol=1e-6)
 
 
 # --- the kernel against the reference -----------------------------------------------------------
 
-def _case(b, hq, hkv, d, p, counts, layout, dt, bits, pad=0, num_meta=None):
+def _case(b, hq, hkv, d, p, counts, layout, dt, bits, pad=0, num_meta=None, reduce="max",
+          softcap=None):
     num_meta = num_meta or max(max(counts, default=0), 1) + 3
     cid = (f"B{b}-H{hq}/{hkv}-D{d}-P{p}-n{'.'.join(map(str, counts))}-{layout}{pad or ''}-{dt}"
-           f"-b{bits}")
-    return pytest.param(b, hq, hkv, d, p, counts, layout, DTYPES[dt], bits, pad, num_meta, id=cid)
+           f"-b{bits}-{reduce}{f'-cap{softcap:g}' if softcap else ''}")
+    return pytest.param(b, hq, hkv, d, p, counts, layout, DTYPES[dt], bits, pad, num_meta,
+                        {"reduce": reduce, "softcap": softcap}, id=cid)
 
 
 def _grid():
-    """bits x D, each with three (G, P, dtype) that cycle so every pair of values meets; tables
-    alternate csr/padded with unused tails and empty rows."""
+    """bits x D, each with three (G, P, dtype, reduce) that cycle so every pair of values meets;
+    tables alternate csr/padded with unused tails and empty rows; every fourth case softcapped."""
     cases = []
     gs, ps, dts = (1, 4, 5), (1, 4, 16), ("fp32", "fp16", "bf16")
     count_sets = ([5], [3, 0, 4], [2, 6], [4, 1, 0, 3])
@@ -170,33 +183,37 @@ def _grid():
             hkv = (1, 2, 3)[(i + 2 * k) % 3]
             counts = count_sets[(i + k) % 4]
             layout = ("csr", "padded")[(i + k) % 2]
+            reduce = ("max", "lse")[(i + 2 * k) % 2]
             cases.append(_case(len(counts), hkv * g, hkv, d, p, counts, layout, dt, bits,
-                               pad=(i * k) % 3))
+                               pad=(i * k) % 3, reduce=reduce,
+                               softcap=2.0 if (3 * i + k) % 4 == 0 else None))
     return cases
 
 
 GRID = _grid() + [
     # odd widths (W = 10, 20, 40 bytes), P = 12 and 64, D = 256, a row longer than one tile
     _case(2, 6, 2, 40, 12, [3, 5], "csr", "bf16", 2, pad=1),
-    _case(2, 8, 2, 40, 4, [4, 2], "padded", "fp16", 4),
+    _case(2, 8, 2, 40, 4, [4, 2], "padded", "fp16", 4, reduce="lse"),
     _case(1, 3, 1, 40, 16, [6], "csr", "fp32", 8),
-    _case(2, 4, 2, 256, 8, [3, 2], "csr", "bf16", 2),
-    _case(1, 2, 1, 64, 64, [5], "padded", "fp16", 4, pad=2),
+    _case(2, 4, 2, 256, 8, [3, 2], "csr", "bf16", 2, reduce="lse"),
+    _case(1, 2, 1, 64, 64, [5], "padded", "fp16", 4, pad=2, reduce="lse", softcap=1.5),
     _case(1, 4, 1, 16, 4, [150], "csr", "fp32", 2),
-    _case(3, 4, 2, 64, 4, [0, 0, 0], "csr", "fp16", 8, pad=2),
+    _case(1, 4, 1, 16, 4, [150], "csr", "fp32", 2, reduce="lse"),
+    _case(3, 4, 2, 64, 4, [0, 0, 0], "csr", "fp16", 8, pad=2, reduce="lse"),
     _case(1, 4, 2, 64, 8, [1], "csr", "bf16", 4, num_meta=1),
 ]
 
 
-@pytest.mark.parametrize("b, hq, hkv, d, p, counts, layout, dtype, bits, pad, num_meta", GRID)
-def test_sketch_grid(b, hq, hkv, d, p, counts, layout, dtype, bits, pad, num_meta, device, seed,
-                     figures):
+@pytest.mark.parametrize("b, hq, hkv, d, p, counts, layout, dtype, bits, pad, num_meta, kw",
+                         GRID)
+def test_sketch_grid(b, hq, hkv, d, p, counts, layout, dtype, bits, pad, num_meta, kw, device,
+                     seed, figures):
     _, codes, kmin, kmax = _pages(num_meta, p, hkv, d, dtype, device, bits)
-    # logit-scale queries (q.k / sqrt(D) is what a top-k ranks), as in test_score
-    q = (torch.randn(b, hq, d, device=device) * d ** -0.5).to(dtype)
+    # logit-scale queries with the default sm_scale (q.k / sqrt(D)), as in test_score
+    q = torch.randn(b, hq, d, device=device).to(dtype)
     table = _table(counts, num_meta, layout, device, pad=pad)
-    out = sketch_score(q, codes, kmin, kmax, table, bits=bits)
-    check = _check(q, codes, kmin, kmax, table, bits, out)
+    out = sketch_score(q, codes, kmin, kmax, table, bits=bits, **kw)
+    check = _check(q, codes, kmin, kmax, table, bits, out, **kw)
     figures.case("sketch", check)
     assert check.ok, str(check)
 
@@ -213,15 +230,17 @@ def test_sketch_random(i, device, seed, figures):
     num_meta = rng.randint(1, 20)
     counts = [rng.randint(0, num_meta) for _ in range(b)]
     layout, pad = rng.choice(["csr", "padded"]), rng.randint(0, 3)
+    kw = {"reduce": rng.choice(["max", "lse"]), "sm_scale": rng.choice([None, 0.05, 1.0]),
+          "softcap": rng.choice([None, None, 5.0])}
     _, codes, kmin, kmax = _pages(num_meta, p, hkv, d, dtype, device, bits,
                                   scale=rng.choice([0.1, 1.0, 8.0]))
     q = (torch.randn(b, hkv * group, d, device=device) * d ** -0.5).to(dtype)
     table = _table(counts, num_meta, layout, device, pad=pad)
-    out = sketch_score(q, codes, kmin, kmax, table, bits=bits)
-    check = _check(q, codes, kmin, kmax, table, bits, out)
+    out = sketch_score(q, codes, kmin, kmax, table, bits=bits, **kw)
+    check = _check(q, codes, kmin, kmax, table, bits, out, **kw)
     figures.case("sketch", check, random=True)
     assert check.ok, (f"seed={seed} bits={bits} B={b} H={hkv * group}/{hkv} D={d} P={p} "
-                      f"{dtype} counts={counts} {layout}{pad}: {check}")
+                      f"{dtype} counts={counts} {layout}{pad} {kw}: {check}")
 
 
 def test_sketch_negative_scores(device, seed, figures):
@@ -239,23 +258,26 @@ def test_sketch_negative_scores(device, seed, figures):
     assert check.ok, str(check)
 
 
-@pytest.mark.parametrize("bits", SKETCH_BITS)
-def test_sketch_tiles_and_splits_agree(bits, device, seed, figures):
+@pytest.mark.parametrize("bits, reduce", [(2, "max"), (4, "lse"), (8, "max"), (8, "lse")])
+def test_sketch_tiles_and_splits_agree(bits, reduce, device, seed, figures):
     """Every split count gives bitwise the same scores; smaller tiles (several entry tiles,
-    several key chunks per page) give the same scores to rounding."""
+    several key chunks per page: the online log-sum-exp's rescaling) give the same scores to
+    rounding."""
     d = 40 if bits != 2 else 64
     _, codes, kmin, kmax = _pages(20, 12, 2, d, torch.float16, device, bits)
-    q = (torch.randn(2, 6, d, device=device) * d ** -0.5).to(torch.float16)
+    q = torch.randn(2, 6, d, device=device).to(torch.float16)
     table = _table([11, 4], 20, "csr", device, pad=2)
-    want = sketch_score(q, codes, kmin, kmax, table, bits=bits, num_splits=1)
+    want = sketch_score(q, codes, kmin, kmax, table, bits=bits, reduce=reduce, num_splits=1)
     for splits in (2, 3, 7, "auto"):
-        got = sketch_score(q, codes, kmin, kmax, table, bits=bits, num_splits=splits)
+        got = sketch_score(q, codes, kmin, kmax, table, bits=bits, reduce=reduce,
+                           num_splits=splits)
         assert torch.equal(got, want), f"num_splits={splits}"
     for config in ({"block_e": 1, "block_p": 1}, {"block_e": 4, "block_p": 4},
                    {"block_e": 8, "block_p": 16, "num_warps": 2}):
-        got = sketch_score(q, codes, kmin, kmax, table, bits=bits, num_splits=2, config=config)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=str(config))
-    check = _check(q, codes, kmin, kmax, table, bits, want)
+        got = sketch_score(q, codes, kmin, kmax, table, bits=bits, reduce=reduce, num_splits=2,
+                           config=config)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(config))
+    check = _check(q, codes, kmin, kmax, table, bits, want, reduce=reduce)
     figures.case("sketch", check)
     assert check.ok, str(check)
 
@@ -300,14 +322,16 @@ def test_sketch_strided_inputs_equal_contiguous(device, seed, figures):
 
 
 @pytest.mark.parametrize("bits", SKETCH_BITS)
-def test_sketch_torch_backend_agrees(bits, device, seed, figures):
+@pytest.mark.parametrize("reduce", ["max", "lse"])
+def test_sketch_torch_backend_agrees(bits, reduce, device, seed, figures):
     d = 100 if bits != 2 else 96
     _, codes, kmin, kmax = _pages(9, 8, 2, d, torch.bfloat16, device, bits)
-    q = (torch.randn(2, 10, d, device=device) * d ** -0.5).to(torch.bfloat16)
+    q = torch.randn(2, 10, d, device=device).to(torch.bfloat16)
     table = _table([4, 5], 9, "padded", device, pad=1)
-    got = sketch_score(q, codes, kmin, kmax, table, bits=bits, backend="torch")
-    kernel = sketch_score(q, codes, kmin, kmax, table, bits=bits, backend="triton")
-    check = _check(q, codes, kmin, kmax, table, bits, got)
+    kw = {"reduce": reduce, "softcap": 3.0 if bits == 4 else None}
+    got = sketch_score(q, codes, kmin, kmax, table, bits=bits, backend="torch", **kw)
+    kernel = sketch_score(q, codes, kmin, kmax, table, bits=bits, backend="triton", **kw)
+    check = _check(q, codes, kmin, kmax, table, bits, got, **kw)
     assert check.ok, str(check)
     torch.testing.assert_close(got, kernel, rtol=1e-5, atol=1e-5)
     figures.case("sketch", check)
@@ -365,6 +389,10 @@ BAD_INPUTS = [
     _bad("bits-16", "bits", bits=16),
     _bad("bits-float", "bits", bits=2.0),
     _bad("bits-bool", "bits", bits=True),
+    _bad("reduce", "reduce", reduce="mean"),
+    _bad("sm-scale-0", "sm_scale", sm_scale=0.0),
+    _bad("sm-scale-inf", "sm_scale", sm_scale=float("inf")),
+    _bad("softcap-negative", "softcap", softcap=-1.0),
     _bad("bits-head-dim-not-bytes", "head dim", q=torch.zeros(2, 8, 17),
          kmin=torch.zeros(5, 2, 17), kmax=torch.zeros(5, 2, 17), bits=4,
          codes=torch.zeros(5, 2, 4, 8, dtype=U8)),
@@ -464,7 +492,8 @@ def _scores(keys, q, table):
     out = {"quest": _per_set(quest_score(q, kmin, kmax, table).double())}
     for bits in SKETCH_BITS:
         codes = quantize_keys(keys, kmin, kmax, bits=bits)
-        out[bits] = _per_set(sketch_score(q, codes, kmin, kmax, table, bits=bits).double())
+        out[bits] = _per_set(sketch_score(q, codes, kmin, kmax, table, bits=bits,
+                                          sm_scale=1.0).double())
         # one logit's error is at most sum_c |q_c| step_c / 2: so is the max's
         step = (kmax.double() - kmin.double()) / ((1 << bits) - 1)  # [n, H_kv, D]
         qg = q.double().view(RANK_ROWS, 1, RANK_HKV, RANK_G, RANK_D)
@@ -478,7 +507,7 @@ def _scores(keys, q, table):
         ghi = (hi + pad).to(keys.dtype).expand_as(kmax)
         codes = quantize_keys(keys, glo, ghi, bits=bits)
         out[f"shared{bits}"] = _per_set(
-            sketch_score(q, codes, glo, ghi, table, bits=bits).double())
+            sketch_score(q, codes, glo, ghi, table, bits=bits, sm_scale=1.0).double())
     return out
 
 
@@ -553,3 +582,62 @@ def test_sketch_finds_the_needle_page(device, seed, figures):
     assert quest["top2"].double().mean() < 0.5
     for s in (s2, s4, s8):
         assert s["top2"].double().mean() > quest["top2"].double().mean() + 0.4
+
+
+def _mass_pages(device):
+    """Page sets (as :func:`_rank_pages`) where a query's attention mass is spread the way real
+    text spreads it: each page set has pages of one strong key (a peak) and pages of several
+    moderately aligned keys (a spread), so the page with the best key is not the page with the
+    most mass. Returns keys, q, the table, the exact page mass ``log sum exp`` of the
+    ``q . k / sqrt(D)`` logits per (page set, page) ``[T, N]``."""
+    b, hkv, n, p, g, d = RANK_ROWS, RANK_HKV, RANK_PAGES, RANK_P, RANK_G, RANK_D
+    keys = torch.randn(b * n, p, hkv, d, device=device)
+    q = torch.randn(b, hkv * g, d, device=device)
+    qdir = q.view(b, 1, hkv, g, d).mean(3)  # the group's mean query per KV head
+    qdir = (qdir / qdir.norm(dim=-1, keepdim=True)).expand(b, n, hkv, d).reshape(b * n, hkv, d)
+    kind = torch.randint(0, 3, (b * n, hkv), device=device)  # 0 plain, 1 peak, 2 spread
+    strength = torch.rand(b * n, hkv, device=device)
+    key = torch.arange(p, device=device)[None, :, None, None]
+    peak = (kind == 1)[:, None, :, None] & (key == 0)
+    spread = (kind == 2)[:, None, :, None] & (key < 12)
+    # a peak's key sits higher than a spread's keys, but 12 of those often outweigh it
+    lift = torch.where(peak, (0.8 + 0.8 * strength)[:, None, :, None] * d ** 0.5,
+                       torch.where(spread, (0.3 + 0.6 * strength)[:, None, :, None] * d ** 0.5,
+                                   0.0))
+    keys = (keys + lift * qdir[:, None]).to(torch.bfloat16)
+    q = q.to(torch.bfloat16)
+    table = PageTable.from_csr(torch.arange(b + 1, device=device).to(torch.int32) * n,
+                               torch.arange(b * n, device=device).to(torch.int32),
+                               torch.full((b,), p, dtype=torch.int32, device=device))
+    mass = _exact_max_logit(q, keys, table, "lse", d ** -0.5)
+    return keys, q, table, _per_set(mass)
+
+
+def test_sketch_lse_ranks_pages_by_attention_mass(device, seed, figures):
+    """When mass is spread over many keys, the sketch's log-sum-exp finds the pages that hold
+    the attention mass; the max logit is drawn to a single strong key. Measured over the top 4
+    pages of each page set: the share of the exact top-4 pages' mass they hold and Spearman
+    against the exact page mass, at 4 bits in the runtime's shared range."""
+    keys, q, table, mass = _mass_pages(device)
+    lo, hi = keys.float().amin(dim=(0, 1)), keys.float().amax(dim=(0, 1))
+    pad = (hi - lo) * Importance.SKETCH_MARGIN
+    glo = (lo - pad).to(keys.dtype).expand(keys.shape[0], -1, -1)
+    ghi = (hi + pad).to(keys.dtype).expand(keys.shape[0], -1, -1)
+    codes = quantize_keys(keys, glo, ghi, bits=4)
+    weight = torch.softmax(mass, dim=1)  # each page's share of the page set's attention
+    best = weight.topk(4, dim=1).values.sum(1)
+    rows = {}
+    for reduce in ("max", "lse"):
+        s = _per_set(sketch_score(q, codes, glo, ghi, table, bits=4, reduce=reduce).double())
+        got = weight.gather(1, s.topk(4, dim=1).indices).sum(1)
+        rows[reduce] = {"spearman": _spearman(mass, s), "mass_share": got / best}
+    print(f"\npage mass ({mass.shape[0]} page sets of {RANK_PAGES} pages, 4-bit shared range)")
+    for name, r in rows.items():
+        print(f"  {name}: " + "  ".join(f"{k} {float(v.mean()):.3f}" for k, v in r.items()))
+        figures.count(f"page mass, {name}: top-4 share of the exact top-4 mass (x1000)",
+                      int(1000 * float(r["mass_share"].mean())))
+    # measured over seeds 0..5: lse Spearman 0.99, share 0.99; max 0.92, 0.91
+    lse, top = rows["lse"], rows["max"]
+    assert lse["spearman"].mean() > 0.97 and lse["mass_share"].mean() > 0.97
+    assert lse["spearman"].mean() > top["spearman"].mean() + 0.04
+    assert lse["mass_share"].mean() > top["mass_share"].mean() + 0.04

@@ -123,7 +123,8 @@ class Attention:
             cold = self.prefetcher.attend_cold(layer, tabs, buffer, run)
         else:
             k = recall.budget(layer) if tabs.cold_pages else 0
-            scores = recall.scores(layer, q1, tabs) if k else None
+            scores = recall.scores(layer, q1, tabs, sm_scale=common["sm_scale"],
+                                   softcap=common["softcap"]) if k else None
             cold = self.prefetcher.attend_cold(layer, tabs, buffer, run, scores=scores, k=k,
                                                recall=True)
         for _ in cold:

@@ -24,6 +24,7 @@ __all__ = ["PRESETS", "TierConfig", "TierSpec"]
 Attend = Literal["all", "topk"]
 Score = Literal["mass", "quest", "hybrid"]
 RecallScore = Literal["sketch", "quest"]
+SketchReduce = Literal["max", "lse"]
 Prefetch = Literal["layer_ahead", "speculative", "none"]
 EvictPolicy = Literal["h2o", "streaming", "snapkv", "snapkv-decode", "rkv", "random"]
 TIER_KINDS = ("hbm", "ddr", "cxl", "disk")
@@ -103,11 +104,16 @@ class TierConfig:
             ``recall_score`` (approximate, less traffic).
         recall_budget: tokens (int) or fraction (float) of cold pages recalled per step
             (``attend="topk"`` only).
-        recall_score: how ``attend="topk"`` ranks cold pages: ``"sketch"`` (the largest logit
-            of the query against every key of the page, from the key sketch: each page's keys
-            quantized to ``key_bits`` per channel, kept in HBM for every page) or ``"quest"``
-            (Quest's bound from the page's element-wise key range).
+        recall_score: how ``attend="topk"`` ranks cold pages: ``"sketch"`` (the query against
+            every key of the page, from the key sketch: each page's keys quantized to
+            ``key_bits`` per channel, kept in HBM for every page; see ``sketch_reduce``) or
+            ``"quest"`` (Quest's bound from the page's element-wise key range).
         key_bits: bits per key channel of the key sketch (2, 4 or 8).
+        sketch_reduce: what the sketch ranks a page by: ``"lse"`` (default: its estimated
+            attention mass per KV head, the log of its exp-summed logits over the keys and the
+            GQA group's query heads, taken as a share of the candidates' mass and summed over
+            the KV heads; it also sees mass spread over many keys) or ``"max"`` (its largest
+            logit, over the keys, the group's heads and the KV heads: the single best key).
         budget_rounding: ``"up"`` (default) gives a token budget the pages it touches;
             ``"down"`` only the whole pages it covers, so a sequence never holds more than its
             budget (an eval at equal budgets); the must-hot pages stay hot either way.
@@ -147,6 +153,7 @@ class TierConfig:
     recall_budget: int | float = 0.1
     recall_score: RecallScore = "sketch"
     key_bits: int = 4
+    sketch_reduce: SketchReduce = "lse"
     budget_rounding: Literal["up", "down"] = "up"
     score: Score = "mass"
     evict_policy: EvictPolicy = "h2o"
@@ -185,7 +192,8 @@ class TierConfig:
         if self.key_bits not in (2, 4, 8) or isinstance(self.key_bits, bool):
             fail("key_bits", f"must be 2, 4 or 8, got {self.key_bits!r}.")
         choices = {"attend": ("all", "topk"), "score": ("mass", "quest", "hybrid"),
-                   "recall_score": ("sketch", "quest"), "budget_rounding": ("up", "down"),
+                   "recall_score": ("sketch", "quest"), "sketch_reduce": ("max", "lse"),
+                   "budget_rounding": ("up", "down"),
                    "evict_policy": ("h2o", "streaming", "snapkv", "snapkv-decode", "rkv",
                                     "random"),
                    "prefetch": ("layer_ahead", "speculative", "none"),

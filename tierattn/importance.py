@@ -262,15 +262,18 @@ class Importance:
         self.sk_hi[layer] = hi + span
         self._sk_set[layer] = True
 
-    def sketch_score(self, layer: int, q: torch.Tensor, table: PageTable) -> torch.Tensor:
-        """Key-sketch score ``[nnz, H_kv]`` (largest estimated logit of the page) of query
-        ``q [B, H_q, D]`` for the metadata rows ``table`` lists (on the device)."""
+    def sketch_score(self, layer: int, q: torch.Tensor, table: PageTable, *, reduce: str,
+                     sm_scale: float, softcap: float | None) -> torch.Tensor:
+        """Key-sketch score ``[nnz, H_kv]`` (the page's largest estimated logit, or its
+        estimated attention mass with ``reduce="lse"``) of query ``q [B, H_q, D]`` for the
+        metadata rows ``table`` lists (on the device)."""
         self.telemetry.layers[layer].kernel_launches += 1
         rows = self.codes.shape[1]
         return self.kernels.sketch_score(q, self.codes[layer],
                                          self.sk_lo[layer].expand(rows, -1, -1),
                                          self.sk_hi[layer].expand(rows, -1, -1),
-                                         table, bits=self.key_bits, validate=False,
+                                         table, bits=self.key_bits, reduce=reduce,
+                                         sm_scale=sm_scale, softcap=softcap, validate=False,
                                          backend=self.backend)
 
     def quest_bound(self, layer: int, q: torch.Tensor, table: PageTable) -> torch.Tensor:

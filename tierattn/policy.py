@@ -7,7 +7,8 @@ recalled; the :class:`~tierattn.mover.Mover` acts on their decisions.
   :class:`SnapKV`, :class:`SnapKVDecode`, :class:`RKV`, :class:`RandomEviction` -- the
   lowest-ranked live pages are dropped first;
 * recall (``TierConfig.attend``, ``recall_score``): :class:`AllCold` (exact),
-  :class:`SketchTopK` (the key sketch's largest logit per page), :class:`QuestTopK`.
+  :class:`SketchTopK` (the key sketch's estimate of each page's attention share, or its
+  largest logit), :class:`QuestTopK`.
 
 :func:`build_policies` is the only place that reads the config's policy names.
 :class:`Budgets` applies the hot and evict budgets with them after each attention call.
@@ -263,9 +264,11 @@ class Recall:
         """Pages recalled per sequence at ``layer``'s current length (host)."""
         return 0
 
-    def scores(self, layer: int, q: torch.Tensor, tabs: LayerTables) -> torch.Tensor:
+    def scores(self, layer: int, q: torch.Tensor, tabs: LayerTables, *, sm_scale: float,
+               softcap: float | None) -> torch.Tensor:
         """``[B, max_pages]`` score of each recall candidate of ``tabs`` (-inf past a row's
-        candidates) for the decode query ``q [B, H_q, D]``, on the device."""
+        candidates) for the decode query ``q [B, H_q, D]`` of an attention with ``sm_scale``
+        and ``softcap``, on the device."""
         raise NotImplementedError
 
 
@@ -284,22 +287,33 @@ class QuestTopK(Recall):
         n = self.pages.num_pages(layer)
         return self.config.pages(self.config.recall_budget, n, self.pages.length(layer))
 
-    def scores(self, layer, q, tabs):
+    def scores(self, layer, q, tabs, *, sm_scale, softcap):
         b, mp = self.pages.batch_size, self.pages.max_pages
         bound = self.importance.quest_bound(layer, q, tabs.candidates.table)
         return bound.max(-1).values.view(b, mp)
 
 
 class SketchTopK(QuestTopK):
-    """The ``recall_budget`` cold pages whose keys give the query its largest logits, read from
-    the key sketch (every key of every page at ``key_bits`` per channel, in HBM): the query
-    heads of a GQA group and the page's keys reduced by max in the kernel, the selection
-    shared by the KV heads (max over them)."""
+    """The ``recall_budget`` cold pages the key sketch (every key of every page at ``key_bits``
+    per channel, in HBM) scores highest for the query, the query heads of a GQA group and the
+    page's keys reduced in the kernel (``sketch_reduce``):
 
-    def scores(self, layer, q, tabs):
+    - ``"lse"``: each page's estimated attention mass per KV head, turned into its share of the
+      candidates' mass for that head (a softmax over the pages), summed over the KV heads: the
+      pages that hold the most of the heads' attention between them;
+    - ``"max"``: the page's largest logit, max over the KV heads.
+    """
+
+    def scores(self, layer, q, tabs, *, sm_scale, softcap):
         b, mp = self.pages.batch_size, self.pages.max_pages
-        score = self.importance.sketch_score(layer, q, tabs.candidates.table)
-        return score.max(-1).values.view(b, mp)
+        reduce = self.config.sketch_reduce
+        score = self.importance.sketch_score(layer, q, tabs.candidates.table, reduce=reduce,
+                                             sm_scale=sm_scale, softcap=softcap).view(b, mp, -1)
+        if reduce == "max":
+            return score.max(-1).values
+        # log sum_h share_h: padding stays -inf; a row without candidates (all -inf) is NaN
+        share = torch.log_softmax(score, dim=1).logsumexp(-1)
+        return share.nan_to_num_(nan=float("-inf"), neginf=float("-inf"))
 
 
 # --- the budgets ---------------------------------------------------------------------------------
