@@ -336,8 +336,9 @@ def _sparse_decode_torch(q, kv_pool, page_table, *, scale, cap, first_lane):
     log-sum-exp of its entries' (scatter max, then sum), and its output the entries' outputs
     weighted by ``exp(page_lse - row_lse)``.
 
-    Returns ``(out [B, H_q, D], lse [B, H_q], mass, page_lse)`` with ``mass`` ``[nnz, H_kv]``
-    and ``page_lse`` ``[nnz, H_q]`` (``[nnz]`` and ``[nnz, G]`` for rows per KV head).
+    Returns ``(out [B, H_q, D], lse [B, H_q], mass, page_lse, listed)`` with ``mass``
+    ``[nnz, H_kv]`` and ``page_lse`` ``[nnz, H_q]`` (``[nnz]`` and ``[nnz, G]`` for rows per KV
+    head), ``listed [nnz]`` whether an entry belongs to a row (:meth:`PageTable.entry_rows`).
     """
     batch, hq, d = q.shape
     page_size, hkv = kv_pool.shape[2], kv_pool.shape[3]
@@ -377,13 +378,13 @@ def _sparse_decode_torch(q, kv_pool, page_table, *, scale, cap, first_lane):
     out_rows = torch.zeros(num_rows, hkv, group, d, device=dev).index_add_(0, row, o)
     if not head_rows:
         return (out_rows.view(batch, hq, d), row_lse.view(batch, hq), share.sum(-1),
-                page_lse.view(nnz, hq))
+                page_lse.view(nnz, hq), in_row)
     heads = torch.arange(num_rows, device=dev) % hkv  # row b * H_kv + h holds head h only
     out = out_rows[torch.arange(num_rows, device=dev), heads].view(batch, hq, d)
     lse = row_lse[torch.arange(num_rows, device=dev), heads].view(batch, hq)
     mine = (row % hkv)[:, None, None].expand(nnz, 1, group)
     return (out, lse, share.gather(1, mine).sum(-1).view(nnz),
-            page_lse.gather(1, mine).view(nnz, group))
+            page_lse.gather(1, mine).view(nnz, group), in_row)
 
 
 def sparse_decode(
@@ -471,12 +472,11 @@ def sparse_decode(
                      device=q.device)
 
     if resolve_backend(backend, q, kv_pool) == "torch":
-        o, row_lse, mass, entry_lse = _sparse_decode_torch(q, kv_pool, page_table, scale=scale,
-                                                           cap=cap, first_lane=first_lane)
+        o, row_lse, mass, entry_lse, covered = _sparse_decode_torch(
+            q, kv_pool, page_table, scale=scale, cap=cap, first_lane=first_lane)
         out.copy_(o)
         lse.copy_(row_lse)
         if page_lse is not None:  # every entry of a row, to the page-LSE row it names
-            covered = page_table.entry_rows()[1]
             page_lse[page_lse_index.long()[covered]] = entry_lse[covered]
             return DecodeOutput(out, lse, None, page_lse)
         if not return_page_mass:

@@ -276,7 +276,9 @@ def test_sketch_tiles_and_splits_agree(bits, reduce, device, seed, figures):
                    {"block_e": 8, "block_p": 16, "num_warps": 2}):
         got = sketch_score(q, codes, kmin, kmax, table, bits=bits, reduce=reduce, num_splits=2,
                            config=config)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=str(config))
+        # the online log-sum-exp rescales across key chunks: a few more ulps than max's
+        tol = 1e-5 if reduce == "lse" else 1e-6
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=str(config))
     check = _check(q, codes, kmin, kmax, table, bits, want, reduce=reduce)
     figures.case("sketch", check)
     assert check.ok, str(check)
