@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from tierattn.eval.methods import METHODS as ALL_METHODS
-from tierattn.eval.methods import RECALL, plan_cell
+from tierattn.eval.methods import RECALL, key_tier_fraction, plan_cell, sketch_bits
 from tierattn.eval.metrics import kl_summary, mcnemar, token_kl, wilson
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
 from tierattn.eval.runner import decode
@@ -231,6 +231,7 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
             "pointer_mcnemar_p": mcnemar(ref_ptr, ptr_ok)["p"] if ptr_ok else None,
             "resident_hbm": stats["total"]["resident_fraction"].get("hbm", 0.0)
             if stats else 1.0,
+            "key_tier": key_tier_fraction(cfg), "key_bits": sketch_bits(cfg),
             "seconds": time.perf_counter() - start,
         }
         rows.append(row)
@@ -254,7 +255,7 @@ TABLE_COLUMNS = [("method", "method", ""), ("hbm", "hbm", ".2f"), ("KL mean", "k
                  ("KL p99.9", "kl_p999", ".2e"), ("KL max", "kl_max", ".2e"),
                  ("top1", "top1_agreement", ".3f"), ("ppl ratio", "ppl_ratio", ".3f"),
                  ("passkey", "passkey_acc", ".2f"), ("pointer", "pointer_acc", ".2f"),
-                 ("HBM", "resident_hbm", ".2f")]
+                 ("HBM", "resident_hbm", ".2f"), ("key tier", "key_tier", ".3f")]
 
 
 def summary(result: dict) -> str:

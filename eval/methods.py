@@ -15,7 +15,8 @@ holds a partial page over its share; a cell whose must-hot pages do not fit in i
                    (``attend="all"``): exact, whatever the budget
 ``topk``           ``hbm`` minus the key tier hot, plus the ``RECALL`` best cold pages per step
                    by the key sketch (each page's estimated share of each KV head's attention,
-                   from ``KEY_BITS``-bit keys in HBM), fetched from DDR into staging
+                   from ``KEY_BITS``-bit keys in HBM; 2-bit keys where a 4-bit tier leaves
+                   no room for the must-hot pages), fetched from DDR into staging
 ``topk-max``       the same ranked by the sketch's largest logit per page (the needle finder)
 ``topk-quest``     the same with Quest's bound instead of the sketch (the key range only)
 ``evict-h2o``      ``hbm`` kept, the rest dropped by accumulated attention (H2O)
@@ -33,7 +34,11 @@ Must-hot pages count inside the budget, so each method keeps the smallest set it
 design needs: the page being filled always, the sink page for every method but ``topk``
 (StreamingLLM, R-KV and the others keep the first tokens; ``topk`` recalls the first page like
 any other when its keys score), no extra recent pages. ``topk``'s resident share is what its key
-tier leaves: at 25% HBM, 25% - 12.5% (4-bit sketch) = 12.5%.
+tier leaves: at 25% HBM, 25% - 12.5% (4-bit sketch) = 12.5%. Where the 4-bit tier leaves no
+room for the must-hot pages (10% HBM), the sketch narrows to 2 bits (6.25%) rather than the cell
+being reported infeasible: on SmolLM2 at 2K and 10% HBM, 2-bit keys give KL 0.029 and top-1
+0.891 where the best eviction (SnapKV) gives 0.111 and 0.758; at 25%, 4 bits and a 12.5% hot
+share beat 2 bits and 18.75% (KL 0.0135 vs 0.0156), so the widest tier that fits wins.
 
 Why 8-token pages (``PAGE_SIZE``): on the reasoner's ~290-token prompts a 16-token page is 5.5%
 of the prompt, so at 25% HBM ``topk`` keeps 2 resident pages and a recall of 20% fetches ~3
@@ -54,12 +59,14 @@ not the HBM ratio".
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tierattn.config import TierConfig, TierSpec
 
 __all__ = ["METHODS", "PAGE_SIZE", "RECALL", "TOPK", "SINK_PAGES", "RECENT_PAGES", "Cell",
-           "evict_ratio", "grid_config", "key_tier_fraction", "method_config", "plan_cell"]
+           "evict_ratio", "grid_config", "key_tier_fraction", "method_config", "plan_cell",
+           "sketch_bits"]
 
 METHODS = ("full", "offload", "topk", "topk-max", "topk-quest", "evict-h2o", "evict-snapkv",
            "evict-snapkv-decode", "evict-rkv", "evict-streaming", "evict-random", "oracle")
@@ -70,12 +77,18 @@ TOPK = ("topk", "topk-max", "topk-quest")
 PAGE_SIZE = 8
 #: fraction of the cold pages top-k recalls per step (into staging, outside the budget)
 RECALL = 0.2
-#: bits per key channel of ``topk``'s key sketch
-KEY_BITS = 4
+#: bits per key channel of ``topk``'s key sketch: the widest of these that leaves the must-hot
+#: pages room (:func:`plan_cell`)
+KEY_BITS = (4, 2)
 #: the must-hot set (see the module docstring); ``topk`` keeps no sink page
 SINK_PAGES, RECENT_PAGES = 1, 0
 #: bytes per K or V element the budgets are counted in (16-bit KV)
 KV_BYTES = 2
+
+
+def sketch_bits(config: TierConfig | None) -> int | None:
+    """Bits per key channel of ``config``'s key sketch (None without one)."""
+    return config.key_bits if config is not None and config.key_sketch else None
 
 
 def key_tier_fraction(config: TierConfig | None) -> float:
@@ -113,11 +126,12 @@ class Cell:
 
 
 def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_context: int = 4096,
-                  backend: str = "auto", seed: int = 0,
-                  recall: float = RECALL) -> TierConfig | None:
+                  backend: str = "auto", seed: int = 0, recall: float = RECALL,
+                  key_bits: int = KEY_BITS[0]) -> TierConfig | None:
     """The TierConfig of ``method`` at HBM ratio ``hbm`` (None for ``full``), sized so that its
     resident pages and key tier together hold at most ``hbm`` of the KV bytes; ``recall``: the
-    fraction of the cold pages the ``topk`` methods recall per step (into staging).
+    fraction of the cold pages the ``topk`` methods recall per step (into staging);
+    ``key_bits``: the width of the sketch methods' key sketch.
 
     Raises:
         ValueError: unknown ``method``, ``hbm`` outside ``(0, 1]``, or a key tier that alone
@@ -140,7 +154,7 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
         score = "quest" if method == "topk-quest" else "sketch"
         reduce = "max" if method == "topk-max" else "lse"
         cfg = TierConfig.preset("topk", recall_budget=recall, recall_score=score,
-                                sketch_reduce=reduce, key_bits=KEY_BITS, prefetch="none",
+                                sketch_reduce=reduce, key_bits=key_bits, prefetch="none",
                                 **{**common, "sink_pages": 0})
         resident = round(hbm - key_tier_fraction(cfg), 6)
         if resident <= 0:
@@ -160,10 +174,28 @@ def plan_cell(method: str, hbm: float, *, prompt_tokens: int, page_size: int = P
               max_context: int = 4096, backend: str = "auto", seed: int = 0,
               recall: float = RECALL) -> Cell:
     """``method`` at ``hbm`` with its accounting; infeasible when the must-hot pages do not fit
-    in the resident share of the shortest prompt (``prompt_tokens``)."""
+    in the resident share of the shortest prompt (``prompt_tokens``). A key sketch takes the
+    widest of :data:`KEY_BITS` that leaves them room (the narrowest attempt's reason when none
+    does)."""
+    widths = KEY_BITS if method in TOPK and method != "topk-quest" else KEY_BITS[:1]
+    cells = []
+    for bits in widths:
+        cells.append(_plan(method, hbm, bits, prompt_tokens=prompt_tokens, page_size=page_size,
+                           max_context=max_context, backend=backend, seed=seed, recall=recall))
+        if cells[-1].feasible:
+            return cells[-1]
+    if len(cells) == 1:
+        return cells[0]
+    tried = "; ".join(f"{b}-bit sketch: {c.reason.rstrip('.')}" for b, c in zip(widths, cells))
+    return dataclasses.replace(cells[-1], reason=tried)
+
+
+def _plan(method: str, hbm: float, key_bits: int, *, prompt_tokens: int, page_size: int,
+          max_context: int, backend: str, seed: int, recall: float) -> Cell:
+    """:func:`plan_cell` at one sketch width."""
     try:
         cfg = method_config(method, hbm, page_size=page_size, max_context=max_context,
-                            backend=backend, seed=seed, recall=recall)
+                            backend=backend, seed=seed, recall=recall, key_bits=key_bits)
     except ValueError as e:
         if method not in METHODS or not 0.0 < hbm <= 1.0 or not 0.0 < recall <= 1.0:
             raise

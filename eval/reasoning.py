@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from tierattn.eval.methods import (METHODS, PAGE_SIZE, RECALL, evict_ratio, grid_config,
-                                   plan_cell)
+                                   plan_cell, sketch_bits)
 from tierattn.eval.metrics import (first_divergence, kl_summary, mcnemar, token_kl, trace_length,
                                    wilson)
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
@@ -243,6 +243,7 @@ def evaluate_items(model, items: list[Item], runs: list[dict], *, steps: int, eo
         row = {
             "method": run["method"], "hbm": run.get("hbm"), "evict": run.get("evict"),
             "feasible": True, "hbm_held": run.get("held"), "key_tier": run.get("key_tier"),
+            "key_bits": sketch_bits(run["config"]),
             "n": n,
             "correct": k, "accuracy": k / n, "ci_low": lo, "ci_high": hi,
             "mcnemar_p": test["p"], "full_only": test["ref_only"],

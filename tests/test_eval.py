@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tierattn.eval.methods import (METHODS, RECALL, grid_config, key_tier_fraction,
-                                   method_config, plan_cell)
+                                   method_config, plan_cell, sketch_bits)
 from tierattn.eval.metrics import (first_divergence, kl_summary, mcnemar, token_kl, trace_length,
                                    wilson)
 from tierattn.eval.report import format_table, new_results_dir, write_csv
@@ -90,10 +90,25 @@ def test_method_configs_hold_equal_hbm_bytes():
     # feasibility: must-hot pages inside the resident share of the shortest prompt
     assert plan_cell("evict-h2o", 0.25, prompt_tokens=290).feasible  # 2 of 9 pages
     assert plan_cell("topk", 0.25, prompt_tokens=290).feasible  # 4 pages of 12.5%
+    # at 4 bits 2.5% of 290 holds no whole 16-token page; at 2 bits 8.75% holds one
     cell = plan_cell("topk", 0.15, prompt_tokens=290, page_size=16)
-    assert not cell.feasible and "must-hot" in cell.reason  # 2.5% of 290: no whole page
+    assert cell.feasible and cell.config.key_bits == 2
+    # a 4-bit tier (12.5%) alone exceeds 10%: the sketch narrows to 2 bits (6.25%), and its
+    # 3.75% holds one 8-token page of a 290-token prompt
     cell = plan_cell("topk", 0.1, prompt_tokens=290)
-    assert not cell.feasible and "key tier" in cell.reason
+    assert cell.feasible and cell.config.key_bits == 2 and sketch_bits(cell.config) == 2
+    assert cell.key_tier == pytest.approx(0.0625) and cell.resident == pytest.approx(0.0375)
+    assert cell.config.hot_budget == pytest.approx(0.0375)
+    assert plan_cell("topk-max", 0.1, prompt_tokens=290).config.key_bits == 2
+    assert plan_cell("topk", 0.2, prompt_tokens=290).config.key_bits == 4  # the widest fits
+    cell = plan_cell("topk", 0.05, prompt_tokens=290)  # neither width fits: both reasons
+    assert not cell.feasible and cell.reason.count("key tier") == 2
+    assert "4-bit sketch" in cell.reason and "2-bit sketch" in cell.reason
+    cell = plan_cell("topk", 0.1, prompt_tokens=100, page_size=16)  # 2 bits: no whole page
+    assert not cell.feasible and "key tier" in cell.reason and "must-hot" in cell.reason
+    assert plan_cell("topk-quest", 0.1, prompt_tokens=290).reason.startswith("topk-quest")
+    assert sketch_bits(method_config("topk-quest", 0.5)) is None
+    assert sketch_bits(None) is None and sketch_bits(method_config("offload", 0.5)) is None
     assert method_config("evict-random", 0.5).evict_policy == "random"
     g = grid_config(0.2, 0.5)
     assert (g.hot_budget, g.evict_budget, g.evict_policy) == (0.2, 0.5, "h2o")
@@ -207,6 +222,8 @@ def test_reasoning_eval_end_to_end(reasoner, tmp_path):
             assert c["evicted_fraction"] == 0
         if c["method"].startswith("evict") or c["method"] == "oracle":
             assert c["evicted_fraction"] > 0.2 and c["h2d_bytes_per_token"] == 0
+        # the sketch's width is recorded; at 50% HBM the 4-bit tier fits
+        assert c["key_bits"] == (4 if c["method"] in ("topk", "topk-max") else None), c
     with (out / "cells.csv").open() as f:
         assert len(list(csv.DictReader(f))) == len(cells)
     for name in ("accuracy_vs_hbm.png", "hbm_x_evict_heatmap.png", "bytes_vs_accuracy.png"):

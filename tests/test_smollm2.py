@@ -75,14 +75,16 @@ def test_fidelity_eval_small(smollm2, tmp_path):
     assert off["kl_max"] < 1e-5 and off["top1_agreement"] == 1.0
     assert off["ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
     assert off["passkey_acc"] == rows["full"]["passkey_acc"]
+    assert off["key_tier"] == 0 and off["key_bits"] is None  # offload keeps no key tier
     assert h2o["kl_mean"] > 10 * max(off["kl_mean"], 1e-9)
     assert (tmp_path / next(tmp_path.iterdir()).name / "results.json").exists()
 
 
 def test_fidelity_long_context_spec(smollm2, tmp_path):
     """A long-context spec (no pointer items) runs; cells that cannot hold their must-hot pages
-    (offload: 2 pages > 10% of 192 tokens) or whose key tier alone exceeds the budget (topk)
-    are reported infeasible, not run over budget."""
+    (offload: 2 pages > 10% of 192 tokens) or whose key tier leaves them no room at any width
+    (topk: 4 bits exceed 10%, 2 bits leave 3.75%, no page) are reported infeasible, not run over
+    budget."""
     from tierattn.eval.fidelity import long_context, run_fidelity
 
     spec = long_context(256, budgets=(0.1,), methods=("offload", "topk"), segments=1,
@@ -92,5 +94,6 @@ def test_fidelity_long_context_spec(smollm2, tmp_path):
     rows = {c["method"]: c for c in result["cells"]}
     assert rows["full"]["feasible"] and rows["full"]["pointer_acc"] is None  # no pointer items
     assert not rows["offload"]["feasible"] and "must-hot" in rows["offload"]["reason"]
-    assert not rows["topk"]["feasible"] and "key tier" in rows["topk"]["reason"]
+    assert not rows["topk"]["feasible"] and "key tier" in rows["topk"]["reason"] and \
+        "must-hot" in rows["topk"]["reason"]
     assert result["pointer_example"] is None
