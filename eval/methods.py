@@ -73,6 +73,8 @@ METHODS = ("full", "offload", "topk", "topk-max", "topk-quest", "evict-h2o", "ev
 
 #: the recall methods: the same budget and recall, ranked three ways
 TOPK = ("topk", "topk-max", "topk-quest")
+#: the recall methods that rank by the key sketch (the others by Quest's key range)
+SKETCH_METHODS = ("topk", "topk-max")
 #: tokens per page of the eval (see the module docstring)
 PAGE_SIZE = 8
 #: fraction of the cold pages top-k recalls per step (into staging, outside the budget)
@@ -151,7 +153,7 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
     if method == "offload":
         return TierConfig.preset("offload", hot_budget=hbm, **common)
     if method in TOPK:
-        score = "quest" if method == "topk-quest" else "sketch"
+        score = "sketch" if method in SKETCH_METHODS else "quest"
         reduce = "max" if method == "topk-max" else "lse"
         cfg = TierConfig.preset("topk", recall_budget=recall, recall_score=score,
                                 sketch_reduce=reduce, key_bits=key_bits, prefetch="none",
@@ -177,7 +179,7 @@ def plan_cell(method: str, hbm: float, *, prompt_tokens: int, page_size: int = P
     in the resident share of the shortest prompt (``prompt_tokens``). A key sketch takes the
     widest of :data:`KEY_BITS` that leaves them room (the narrowest attempt's reason when none
     does)."""
-    widths = KEY_BITS if method in TOPK and method != "topk-quest" else KEY_BITS[:1]
+    widths = KEY_BITS if method in SKETCH_METHODS else KEY_BITS[:1]
     cells = []
     for bits in widths:
         cells.append(_plan(method, hbm, bits, prompt_tokens=prompt_tokens, page_size=page_size,
