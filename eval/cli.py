@@ -5,6 +5,7 @@
     tierattn eval reasoning [--n N] [--out-root DIR]   eviction vs offload on the tiny reasoner
     tierattn eval reasoning --model DIR --data F.jsonl  the same on any HF checkpoint + JSONL
     tierattn eval fidelity [--out-root DIR]    SmolLM2-135M: KL, top-1, perplexity, passkey
+    tierattn eval keytier [--contexts N]        SmolLM2: attention each recall selector misses
     tierattn bench [--smoke] [--out-root DIR]  data movement per token vs whole-layer offload
     tierattn models [--types T,...]            every causal-LM type of transformers, patched
     tierattn autotune --kernel decode|score|prefill|copy   tune a kernel on this GPU
@@ -175,10 +176,19 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.what == "keytier":
+        from tierattn.eval.keytier import KeyTierSpec, run_keytier, summary
+
+        kw = {k: v for k, v in (("segments", args.segments), ("page_size", args.page_size),
+                                ("recall", args.recall)) if v}
+        for context in args.contexts or (KeyTierSpec.context,):
+            spec = KeyTierSpec(context=context, backend=args.backend, **kw)
+            print(summary(run_keytier(spec, out_root=args.out_root)))
+        return 0
     if args.what == "fidelity":
         from tierattn.eval.fidelity import FidelitySpec, long_context, run_fidelity, summary
 
-        kw = dict(budgets=args.budgets or (0.25, 0.5), segments=args.segments,
+        kw = dict(budgets=args.budgets or (0.25, 0.5), segments=args.segments or 8,
                   page_size=args.page_size or FidelitySpec.page_size, seed=args.seed or 0,
                   **({"recall": args.recall} if args.recall else {}),
                   backend=args.backend,
@@ -361,8 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="accuracy and fidelity evals: eviction vs offload at equal "
                         "HBM budget")
-    ev.add_argument("what", choices=("reasoning", "fidelity"),
-                    help="reasoning: the tiny reasoner (or --model/--data); fidelity: SmolLM2")
+    ev.add_argument("what", choices=("reasoning", "fidelity", "keytier"),
+                    help="reasoning: the tiny reasoner (or --model/--data); fidelity: SmolLM2; "
+                         "keytier: SmolLM2's attention mass each recall selector misses, per "
+                         "key-tier byte")
     ev.add_argument("--model", type=_existing("folder"), default=None,
                     help="reasoning: a trained reasoner folder (default: the shipped one), or "
                          "a Hugging Face checkpoint folder with --data")
@@ -376,14 +388,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated methods (default: all of them; full is always run)")
     ev.add_argument("--contexts", type=_list(_int_at_least(256)), default=None,
                     help="fidelity: context lengths in tokens (e.g. 2048,4096): text segments "
-                         "and passkey prompts of that length (default: 448-token segments)")
-    ev.add_argument("--segments", type=_int_at_least(1), default=8,
-                    help="fidelity: text segments")
+                         "and passkey prompts of that length (default: 448-token segments); "
+                         "keytier: segment lengths (default 2048)")
+    ev.add_argument("--segments", type=_int_at_least(1), default=None,
+                    help="text segments (fidelity default 8, keytier 2)")
     ev.add_argument("--max-new-tokens", type=_int_at_least(1), default=256,
                     help="--data: generation length")
     ev.add_argument("--page-size", type=_int_at_least(1), default=None,
                     help="tokens per page (default: 8 for the reasoning eval, whose 25%% budget "
-                         "needs small pages; 16 for fidelity and --data)")
+                         "needs small pages; 16 for fidelity, keytier and --data)")
     ev.add_argument("--recall", type=_float_in(0.0, 1.0, lo_open=True), default=None,
                     help="fraction of the cold pages the topk methods recall per step, in "
                          "(0, 1] (default 0.2, tierattn.eval.methods.RECALL)")
@@ -463,6 +476,13 @@ def _check(args: argparse.Namespace) -> None:
                          f"{args.kv_heads} (each KV head serves a group of query heads)")
     if args.command == "eval" and args.data and not args.model:
         raise UsageError("--data needs --model (a local Hugging Face checkpoint folder)")
+    if args.command == "eval" and args.what == "keytier":
+        need = 64 + 2 * (args.page_size or 16)  # the probed positions, then whole pages
+        short = [c for c in args.contexts or () if c < need]
+        if short:
+            raise UsageError(f"--contexts {short[0]} leaves no whole page before the 64 probed "
+                             f"positions at --page-size {args.page_size or 16}; give at least "
+                             f"{need} tokens")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ half of every layer's KV demoted: greedy output identical to the dense model, KL
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -73,11 +74,39 @@ def test_fidelity_eval_small(smollm2, tmp_path):
     assert set(rows) == {"full", "offload", "evict-h2o"}
     off, h2o = rows["offload"], rows["evict-h2o"]
     assert off["kl_max"] < 1e-5 and off["top1_agreement"] == 1.0
+    assert off["tokens"] == 2 * 8 and off["top1_ci_high"] == 1.0 and 0.7 < off["top1_ci_low"] < 1
+    assert h2o["top1_ci_low"] <= h2o["top1_agreement"] <= h2o["top1_ci_high"]
     assert off["ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
     assert off["passkey_acc"] == rows["full"]["passkey_acc"]
     assert off["key_tier"] == 0 and off["key_bits"] is None  # offload keeps no key tier
     assert h2o["kl_mean"] > 10 * max(off["kl_mean"], 1e-9)
-    assert (tmp_path / next(tmp_path.iterdir()).name / "results.json").exists()
+    saved = json.loads((tmp_path / next(tmp_path.iterdir()).name / "results.json").read_text())
+    assert saved["complete"] and saved["cells"] == json.loads(json.dumps(result["cells"]))
+
+
+def test_fidelity_run_keeps_finished_cells(smollm2, tmp_path, monkeypatch):
+    """A run that stops part-way (here: the second method raises) leaves its finished cells on
+    disk, marked incomplete, so hours of a long-context grid are not lost."""
+    from tierattn.eval import fidelity
+
+    spec = fidelity.FidelitySpec(budgets=(0.5,), methods=("offload", "evict-h2o"), segments=1,
+                                 prefix=64, continuation=8, passkey_depths=(0.5,),
+                                 passkey_trials=1, passkey_tokens=96, pointer_items=0,
+                                 backend="torch")
+    real = fidelity._teacher_forced
+
+    def stop_at_h2o(model, segs, spec, cfg):
+        if cfg is not None and cfg.evict_budget:
+            raise KeyboardInterrupt
+        return real(model, segs, spec, cfg)
+
+    monkeypatch.setattr(fidelity, "_teacher_forced", stop_at_h2o)
+    with pytest.raises(KeyboardInterrupt):
+        fidelity.run_fidelity(spec, out_root=tmp_path, model_and_tokenizer=smollm2)
+    saved = json.loads((next(tmp_path.iterdir()) / "results.json").read_text())
+    assert not saved["complete"]
+    assert [c["method"] for c in saved["cells"]] == ["full", "offload"]
+    assert (next(tmp_path.iterdir()) / "cells.csv").read_text().count("\n") == 3
 
 
 def test_fidelity_long_context_spec(smollm2, tmp_path):
@@ -97,3 +126,19 @@ def test_fidelity_long_context_spec(smollm2, tmp_path):
     assert not rows["topk"]["feasible"] and "key tier" in rows["topk"]["reason"] and \
         "must-hot" in rows["topk"]["reason"]
     assert result["pointer_example"] is None
+
+
+def test_keytier_probe_on_smollm2(smollm2, tmp_path):
+    """The key-tier probe on the real model writes its table and plot; on real text the 4-bit
+    sketch misses less attention than Quest's bound, and 8 bits is all but the oracle."""
+    from tierattn.eval.keytier import KeyTierSpec, run_keytier
+
+    spec = KeyTierSpec(context=384, segments=1, every=16, page_size=16, backend="torch")
+    result = run_keytier(spec, out_root=tmp_path, model_and_tokenizer=smollm2)
+    rows = {r["selector"]: r for r in result["rows"]}
+    assert all(r["probes"] == 30 * 4 for r in rows.values())  # 30 layers x 4 positions
+    assert rows["sketch-4"]["missed_mass"] < rows["quest"]["missed_mass"]
+    assert rows["sketch-8"]["vs_oracle"] < 1.1
+    out = Path(result["out"])
+    assert {p.name for p in out.iterdir()} == {"results.json", "cells.csv", "keytier.png"}
+    assert json.loads((out / "results.json").read_text())["rows"] == result["rows"]

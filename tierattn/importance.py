@@ -32,7 +32,7 @@ from tierattn.pagemap import DeviceTable, PageMap
 from tierattn.telemetry import Telemetry
 from tierattn.transfer import TransferEngine
 
-__all__ = ["HostImportance", "Importance"]
+__all__ = ["HostImportance", "Importance", "sketch_range"]
 
 
 @dataclass
@@ -57,6 +57,19 @@ class HostImportance:
             engine.wait_host(ticket)
         self.tickets = []
         return self
+
+
+def sketch_range(keys: torch.Tensor, lens: torch.Tensor, margin: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key sketch's quantization range, ``lo, hi [H_kv, D]`` fp32, from keys
+    ``[n, P, H_kv, D]`` (``lens[i]`` valid tokens in page ``i``): their range per KV head and
+    channel, widened by ``margin`` of its span on each side (later keys may reach further)."""
+    valid = (torch.arange(keys.shape[1], device=keys.device)[None, :] < lens[:, None])
+    v = valid[:, :, None, None]
+    lo = torch.where(v, keys.float(), float("inf")).amin(dim=(0, 1))
+    hi = torch.where(v, keys.float(), float("-inf")).amax(dim=(0, 1))
+    span = (hi - lo) * margin
+    return lo - span, hi + span
 
 
 class Importance:
@@ -253,13 +266,7 @@ class Importance:
     def _set_sketch_range(self, layer: int, keys: torch.Tensor, lens: torch.Tensor) -> None:
         """The sketch range of ``layer`` from its first keys ``[n, P, H_kv, D]`` (``lens[i]``
         tokens of page ``i``), widened by :data:`SKETCH_MARGIN` of its span on each side."""
-        valid = (torch.arange(keys.shape[1], device=keys.device)[None, :] < lens[:, None])
-        v = valid[:, :, None, None]
-        lo = torch.where(v, keys.float(), float("inf")).amin(dim=(0, 1))
-        hi = torch.where(v, keys.float(), float("-inf")).amax(dim=(0, 1))
-        span = (hi - lo) * self.SKETCH_MARGIN
-        self.sk_lo[layer] = lo - span
-        self.sk_hi[layer] = hi + span
+        self.sk_lo[layer], self.sk_hi[layer] = sketch_range(keys, lens, self.SKETCH_MARGIN)
         self._sk_set[layer] = True
 
     def sketch_score(self, layer: int, q: torch.Tensor, table: PageTable, *, reduce: str,

@@ -30,7 +30,7 @@ from tierattn.pagemap import HOT, NONE, LayerTables, PageMap
 __all__ = ["H2O", "RKV", "AllCold", "Budgets", "ByMass", "ByQuest", "DemotionRank",
            "Eviction", "Hybrid", "Policies", "QuestTopK", "RandomEviction", "Recall",
            "SketchTopK", "SnapKV", "SnapKVDecode", "StreamingLLM", "DEMOTION_RANKS", "EVICTIONS",
-           "RECALLS", "build_policies"]
+           "RECALLS", "build_policies", "rank_pages"]
 
 
 # --- demotion ranks --------------------------------------------------------------------------
@@ -290,7 +290,7 @@ class QuestTopK(Recall):
     def scores(self, layer, q, tabs, *, sm_scale, softcap):
         b, mp = self.pages.batch_size, self.pages.max_pages
         bound = self.importance.quest_bound(layer, q, tabs.candidates.table)
-        return bound.max(-1).values.view(b, mp)
+        return rank_pages(bound.view(b, mp, -1), "max")
 
 
 class SketchTopK(QuestTopK):
@@ -308,12 +308,20 @@ class SketchTopK(QuestTopK):
         b, mp = self.pages.batch_size, self.pages.max_pages
         reduce = self.config.sketch_reduce
         score = self.importance.sketch_score(layer, q, tabs.candidates.table, reduce=reduce,
-                                             sm_scale=sm_scale, softcap=softcap).view(b, mp, -1)
-        if reduce == "max":
-            return score.max(-1).values
-        # log sum_h share_h: padding stays -inf; a row without candidates (all -inf) is NaN
-        share = torch.log_softmax(score, dim=1).logsumexp(-1)
-        return share.nan_to_num_(nan=float("-inf"), neginf=float("-inf"))
+                                             sm_scale=sm_scale, softcap=softcap)
+        return rank_pages(score.view(b, mp, -1), reduce)
+
+
+def rank_pages(score: torch.Tensor, reduce: str) -> torch.Tensor:
+    """One score per page, ``[B, n]``, from per-KV-head scores ``[B, n, H_kv]`` (padding -inf),
+    for a selection the KV heads share: ``"max"``, the best head's score; ``"lse"`` (scores are
+    log attention masses), the log of the page's share of each head's mass over the row's
+    pages, summed over the heads. Padding, and a row without candidates, stay -inf."""
+    if reduce == "max":
+        return score.max(-1).values
+    # log sum_h share_h; a row without candidates (all -inf) gives NaN
+    share = torch.log_softmax(score, dim=1).logsumexp(-1)
+    return share.nan_to_num_(nan=float("-inf"), neginf=float("-inf"))
 
 
 # --- the budgets ---------------------------------------------------------------------------------
