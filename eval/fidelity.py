@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tierattn.errors import TierAttnError
 from tierattn.eval.methods import METHODS as ALL_METHODS
 from tierattn.eval.methods import RECALL, key_tier_fraction, plan_cell, sketch_bits
 from tierattn.eval.metrics import kl_summary, mcnemar, token_kl, wilson
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
 from tierattn.eval.runner import decode
 
-__all__ = ["FidelitySpec", "load_smollm2", "offline_texts", "run_fidelity"]
+__all__ = ["FidelitySpec", "NotEnoughTextError", "load_smollm2", "offline_texts", "run_fidelity"]
 
 LICENCES = Path("/usr/share/common-licenses")
 #: every method of the reasoning eval but the full cache (the reference) and the oracle (it
@@ -55,6 +56,10 @@ def load_smollm2():
     name = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name).eval()
     return model, AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+class NotEnoughTextError(TierAttnError, ValueError):
+    """More text segments were asked for than the offline texts hold."""
 
 
 def offline_texts() -> list[str]:
@@ -117,8 +122,9 @@ def _segments(tok, spec: FidelitySpec) -> list[list[int]]:
         ids = tok(text).input_ids
         out += [ids[i:i + width] for i in range(0, len(ids) - width + 1, width)]
     if len(out) < spec.segments:
-        raise ValueError(f"segments={spec.segments}: the offline texts hold only {len(out)} "
-                         f"segments of {width} tokens.")
+        raise NotEnoughTextError(f"segments={spec.segments}: the offline texts hold only "
+                                 f"{len(out)} segments of {width} tokens; ask for at most "
+                                 f"{len(out)} (--segments) or shorter ones.")
     return out[:spec.segments]
 
 

@@ -142,3 +142,18 @@ def test_keytier_probe_on_smollm2(smollm2, tmp_path):
     out = Path(result["out"])
     assert {p.name for p in out.iterdir()} == {"results.json", "cells.csv", "keytier.png"}
     assert json.loads((out / "results.json").read_text())["rows"] == result["rows"]
+
+
+def test_asking_for_more_text_than_there_is_is_one_line(smollm2, capsys):
+    """More segments than the offline texts hold: a typed error naming --segments and the most
+    there are, one line and exit status 2 from the command line, no traceback."""
+    from tierattn.eval.cli import main
+    from tierattn.eval.fidelity import FidelitySpec, NotEnoughTextError, _segments
+
+    with pytest.raises(NotEnoughTextError, match="segments=500: the offline texts hold only"):
+        _segments(smollm2[1], FidelitySpec(segments=500))
+    assert main(["eval", "keytier", "--contexts", "4096", "--segments", "500"]) == 2
+    err = capsys.readouterr().err  # the model's loading bars, then the one error line
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("tierattn eval: error: segments=500")
+    assert "--segments" in last and "at most" in last, last
