@@ -1,1 +1,2 @@
-"""Evaluations, benchmarks and demos of tierattn (reasoning accuracy, fidelity, kernel demo)."""
+"""Evaluations, benchmarks and demos of tierattn (reasoning accuracy, fidelity, the key-tier
+probe, kernel demo)."""
