@@ -477,6 +477,12 @@ def _check(args: argparse.Namespace) -> None:
     if args.command == "eval" and args.data and not args.model:
         raise UsageError("--data needs --model (a local Hugging Face checkpoint folder)")
     if args.command == "eval" and args.what == "keytier":
+        stray = [f for f, v in (("--methods", args.methods), ("--budgets", args.budgets),
+                                ("--model", args.model), ("--data", args.data), ("--n", args.n))
+                 if v is not None]
+        if stray:
+            raise UsageError(f"{stray[0]} does not apply to eval keytier (it compares the recall "
+                             "selectors on SmolLM2, not methods at budgets); drop it")
         need = 64 + 2 * (args.page_size or 16)  # the probed positions, then whole pages
         short = [c for c in args.contexts or () if c < need]
         if short:

@@ -31,6 +31,8 @@ CASES = [
     (["eval", "keytier", "--contexts", "100"], "--contexts"),
     (["eval", "keytier", "--contexts", "256", "--page-size", "100"], "--contexts"),
     (["eval", "keytier", "--segments", "0"], "--segments"),
+    (["eval", "keytier", "--methods", "topk"], "--methods"),
+    (["eval", "keytier", "--budgets", "0.25"], "--budgets"),
     (["demo", "--context", "64"], "--context"),
     (["demo", "--context", "0"], "--context"),
     (["demo", "--context", "-5"], "--context"),
