@@ -218,9 +218,10 @@ def train(out: str | Path, *, minutes: float = 30.0, seed: int = 0, batch_size: 
             continue
         judge = final_task(vocab) if done else stage_config(stage, vocab)
         acc = evaluate(model, judge, 256, seed=10_000 + step)
-        history.append({"step": step, "phase": phase, "stage": stage, "loss": float(loss),
+        value = float(loss.detach())
+        history.append({"step": step, "phase": phase, "stage": stage, "loss": value,
                         "acc": acc, "minutes": (time.time() - start) / 60})
-        bar.set_postfix(phase=phase, stage=stage, loss=f"{float(loss):.3f}", acc=f"{acc:.3f}")
+        bar.set_postfix(phase=phase, stage=stage, loss=f"{value:.3f}", acc=f"{acc:.3f}")
         bar.update(int(time.time() - start) - bar.n)
         if not done and acc >= threshold:
             stage += 1  # == len(CURRICULUM): the curriculum is over
