@@ -483,12 +483,14 @@ def _check(args: argparse.Namespace) -> None:
         if stray:
             raise UsageError(f"{stray[0]} does not apply to eval keytier (it compares the recall "
                              "selectors on SmolLM2, not methods at budgets); drop it")
-        need = 64 + 2 * (args.page_size or 16)  # the probed positions, then whole pages
-        short = [c for c in args.contexts or () if c < need]
-        if short:
-            raise UsageError(f"--contexts {short[0]} leaves no whole page before the 64 probed "
-                             f"positions at --page-size {args.page_size or 16}; give at least "
-                             f"{need} tokens")
+        from tierattn.eval.keytier import KeyTierSpec
+
+        for context in args.contexts or ():  # the spec's own check, before the model loads
+            try:
+                KeyTierSpec(context=context, **({"page_size": args.page_size}
+                                                if args.page_size else {}))
+            except ValueError as e:
+                raise UsageError(f"--contexts {context}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

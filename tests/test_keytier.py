@@ -32,7 +32,9 @@ def test_exact_selection_is_the_floor_and_the_sketch_converges(tiny):
     model, segs = tiny
     spec = KeyTierSpec(context=160, segments=2, continuation=32, every=4, page_size=8,
                        recall=0.2, backend="torch")
+    attn = model.config._attn_implementation
     rows = {r["selector"]: r for r in probe_key_tiers(model, segs, spec, progress=False)}
+    assert model.config._attn_implementation == attn  # the capture is undone
     assert tuple(rows) == SELECTORS
     floor = rows["oracle"]["missed_mass"]
     # 2 layers x 2 segments x 8 positions, every one a real probe
@@ -85,5 +87,3 @@ def test_segments_must_match_the_context(tiny):
     spec = KeyTierSpec(context=128, continuation=32, page_size=8, backend="torch")
     with pytest.raises(ValueError, match="160 tokens; spec.context=128"):
         probe_key_tiers(model, segs, spec, progress=False)
-    # the model's attention is restored after a probe
-    assert model.config._attn_implementation != "tierattn_keytier_probe"
