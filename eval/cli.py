@@ -398,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens per page (default: 8 for the reasoning eval, whose 25%% budget "
                          "needs small pages; 16 for fidelity, keytier and --data)")
     ev.add_argument("--recall", type=_float_in(0.0, 1.0, lo_open=True), default=None,
-                    help="fraction of the cold pages the topk methods recall per step, in "
+                    help="cold pages the topk methods recall per step, as a fraction of the "
+                         "sequence, in "
                          "(0, 1] (default 0.2, tierattn.eval.methods.RECALL)")
     ev.add_argument("--seed", type=int, default=None)
     ev.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",

@@ -88,7 +88,8 @@ class FidelitySpec:
         pointer_items: few-shot pointer-chasing queries (0 at long contexts: the prompts are
             short).
         page_size: tokens per page.
-        recall: fraction of the cold pages the ``topk`` methods recall per step.
+        recall: cold pages the ``topk`` methods recall per step, as a fraction of the
+            sequence.
         seed: seed of the passkeys, pointer items and random eviction.
         backend: kernel backend.
     """

@@ -77,7 +77,8 @@ TOPK = ("topk", "topk-max", "topk-quest")
 SKETCH_METHODS = ("topk", "topk-max")
 #: tokens per page of the eval (see the module docstring)
 PAGE_SIZE = 8
-#: fraction of the cold pages top-k recalls per step (into staging, outside the budget)
+#: pages top-k recalls per step, as a fraction of the sequence (into staging, outside the
+#: budget; ``TierConfig.recall_budget``)
 RECALL = 0.2
 #: bits per key channel of ``topk``'s key sketch: the widest of these that leaves the must-hot
 #: pages room (:func:`plan_cell`)
@@ -132,7 +133,8 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
                   key_bits: int = KEY_BITS[0]) -> TierConfig | None:
     """The TierConfig of ``method`` at HBM ratio ``hbm`` (None for ``full``), sized so that its
     resident pages and key tier together hold at most ``hbm`` of the KV bytes; ``recall``: the
-    fraction of the cold pages the ``topk`` methods recall per step (into staging);
+    cold pages the ``topk`` methods recall per step, as a fraction of the sequence (into
+    staging);
     ``key_bits``: the width of the sketch methods' key sketch.
 
     Raises:
@@ -144,7 +146,7 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
     if not 0.0 < hbm <= 1.0:
         raise ValueError(f"hbm={hbm!r} must be a fraction in (0, 1].")
     if not 0.0 < recall <= 1.0:
-        raise ValueError(f"recall={recall!r} must be a fraction of the cold pages in (0, 1].")
+        raise ValueError(f"recall={recall!r} must be a fraction of the sequence in (0, 1].")
     common = {"page_size": page_size, "max_context": max_context, "backend": backend,
               "prefill_chunk_size": max_context, "seed": seed, "sink_pages": SINK_PAGES,
               "recent_pages": RECENT_PAGES, "budget_rounding": "down"}

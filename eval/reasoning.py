@@ -49,7 +49,8 @@ class ReasoningSpec:
         grid_hbm, grid_evict: the HBM ratio x eviction ratio grid (``hbm + evict <= 1``).
         control_budget: HBM ratio of the 1-hop and filler controls.
         page_size: tokens per page.
-        recall: fraction of the cold pages the ``topk`` methods recall per step.
+        recall: cold pages the ``topk`` methods recall per step, as a fraction of the
+            sequence.
         seed: item seed (fresh: training and its held-out sets use other seeds).
         backend: kernel backend of the tiered cache.
         batch_size: items decoded together.

@@ -102,7 +102,8 @@ class TierConfig:
         attend: ``"all"`` fetches every demoted page back before attention (exact);
             ``"topk"`` attends the hot set plus the ``recall_budget`` best cold pages by
             ``recall_score`` (approximate, less traffic).
-        recall_budget: tokens (int) or fraction (float) of cold pages recalled per step
+        recall_budget: cold pages recalled per step, as tokens (int) or a fraction (float)
+            of the sequence's length, in whole pages
             (``attend="topk"`` only).
         recall_score: how ``attend="topk"`` ranks cold pages: ``"sketch"`` (the query against
             every key of the page, from the key sketch: each page's keys quantized to
