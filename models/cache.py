@@ -10,6 +10,7 @@ otherwise. ``update`` returns the new tokens' K/V unchanged: no model served her
 from __future__ import annotations
 
 import contextvars
+import weakref
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -37,7 +38,17 @@ class _TieredLayer(CacheLayerMixin):
 
     def __init__(self, owner: TieredCache, layer_idx: int) -> None:
         super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
+        # a weak reference: the owner holds its layers, and a cycle would keep a dropped
+        # cache's pools (GBs) allocated until the cyclic collector happened to run
+        self._owner, self.layer_idx = weakref.ref(owner), layer_idx
+
+    @property
+    def owner(self) -> TieredCache:
+        owner = self._owner()
+        if owner is None:
+            raise ReferenceError("tierattn: this cache layer outlived its TieredCache; keep the "
+                                 "cache, not only its layers.")
+        return owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.owner._start(key_states)

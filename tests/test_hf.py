@@ -264,6 +264,13 @@ def test_patch_and_cache_arguments_are_checked_at_the_call():
             generate(model, torch.cat([ids, ids[:1]]), past_key_values=cache)
 
 
+def test_a_layer_that_outlives_its_cache_says_so():
+    # the layers hold their cache weakly (no cycle keeping a dropped cache's pools alive)
+    layer = TieredCache(tiny("llama").config, exact_config()).layers[0]
+    with pytest.raises(ReferenceError, match="outlived its TieredCache"):
+        layer.get_seq_length()
+
+
 def test_cache_kwarg_name_is_not_a_special_path_name():
     # names containing flash, sdpa or flex_attention trigger special paths in transformers
     assert not any(word in CACHE_KWARG or word in "tierattn"

@@ -257,6 +257,35 @@ def test_capacity_checked_at_construction_with_numbers():
                       dtype=torch.float32, device="cpu")
 
 
+def test_capacity_check_collects_a_dropped_cache_before_refusing(monkeypatch):
+    """A dropped cache caught in a reference cycle (here one its caller made) holds its pools
+    until the cyclic collector runs: the check collects and measures again before refusing a
+    new one."""
+    import gc
+    import weakref
+
+    import tierattn.tiers as tiers
+    cfg = TierConfig(page_size=4, max_context=64, backend="torch")
+    gc.disable()
+    try:
+        old = make(cfg, batch=1)
+        old.caller_state = {"cache": old}
+        dropped = weakref.ref(old)
+        del old
+        assert dropped() is not None  # only the collector can free it
+        # the fault forced: the host has room only once the dropped cache is gone
+        monkeypatch.setattr(tiers, "available_memory",
+                            lambda device: 1 << 40 if dropped() is None else 0)
+        make(cfg, batch=1)
+        collected = dropped() is None  # before enabling: the collector may run then
+    finally:
+        gc.enable()
+    assert collected
+    with pytest.raises(KVCapacityError, match="available"):  # still refused when it does not help
+        monkeypatch.setattr(tiers, "available_memory", lambda device: 0)
+        make(cfg, batch=1)
+
+
 def test_all_tiers_full_raises_and_leaves_state_untouched(seed):
     tiers = (TierSpec("hbm"), TierSpec("ddr", capacity_pages=2))
     cfg = TierConfig(page_size=4, hot_budget=0.25, tiers=tiers, max_context=128,

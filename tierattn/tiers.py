@@ -17,6 +17,7 @@ of :class:`Tier` in this file and one entry in :func:`build_tier`.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from abc import ABC, abstractmethod
@@ -30,7 +31,8 @@ from tierattn.errors import KVCapacityError, TierConfigError
 from tierattn.kernels.sketch import sketch_bytes
 from tierattn.kvfile import expect, kv_file_name, read_kv_file, write_kv_file
 
-__all__ = ["DiskTier", "MemoryTier", "Tier", "available_memory", "build_tier", "plan_memory"]
+__all__ = ["DiskTier", "MemoryTier", "Tier", "available_memory", "build_tier", "memory_for",
+           "plan_memory"]
 
 #: nominal bandwidth/latency per tier kind (GB/s, microseconds), not measured here: PCIe Gen5
 #: x16 for host tiers as seen from the GPU, a CXL 2.0 x8 expander, an NVMe SSD. Nothing reads
@@ -44,10 +46,13 @@ PROFILES = {
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes that may still be allocated on ``device`` (free HBM, or MemAvailable on the host)."""
+    """Bytes that may still be allocated on ``device``: free HBM plus the blocks PyTorch's
+    caching allocator holds unused (it allocates from those first), or MemAvailable on the
+    host."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + cached)
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -56,6 +61,19 @@ def available_memory(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_for(need: int, device: torch.device) -> int:
+    """:func:`available_memory` on ``device``, measured again after collecting unreachable
+    objects when ``need`` bytes exceed 90% of it: a dropped cache's runtime sits in reference
+    cycles, so its pools stay allocated until the cyclic collector runs, and a second cache
+    built right after (a loop over configs) would be refused for memory the first no longer
+    uses."""
+    have = available_memory(device)
+    if need > 0.9 * have:
+        gc.collect()
+        have = available_memory(device)
+    return have
 
 
 class Tier(ABC):
@@ -125,7 +143,7 @@ class MemoryTier(Tier):
         super().__init__(kind, num_layers, capacity, page_shape, dtype)
         self.device = device
         need = num_layers * capacity * self.page_bytes
-        have = available_memory(device)
+        have = memory_for(need, device)
         if need > 0.9 * have:
             raise KVCapacityError(
                 f"{kind} tier needs {need / 2**30:.2f} GiB ({num_layers} layers x {capacity} "
@@ -321,7 +339,7 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
     need.setdefault("cpu", []).append(("page tables", num_layers * rows * 10))
     for where, items in need.items():
         total = sum(n for _, n in items)
-        have = available_memory(device if where == "cuda" else torch.device("cpu"))
+        have = memory_for(total, device if where == "cuda" else torch.device("cpu"))
         if total > 0.9 * have:
             parts = ", ".join(f"{name} {n / 2**30:.2f} GiB" for name, n in items)
             raise KVCapacityError(
