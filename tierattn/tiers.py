@@ -65,10 +65,9 @@ def available_memory(device: torch.device) -> int:
 
 def memory_for(need: int, device: torch.device) -> int:
     """:func:`available_memory` on ``device``, measured again after collecting unreachable
-    objects when ``need`` bytes exceed 90% of it: a dropped cache's runtime sits in reference
-    cycles, so its pools stay allocated until the cyclic collector runs, and a second cache
-    built right after (a loop over configs) would be refused for memory the first no longer
-    uses."""
+    objects when ``need`` bytes exceed 90% of it: a dropped cache caught in a reference cycle
+    (its caller's objects) keeps its pools until the cyclic collector runs, and a cache built
+    right after it would be refused for memory nothing uses."""
     have = available_memory(device)
     if need > 0.9 * have:
         gc.collect()
