@@ -281,8 +281,8 @@ def test_capacity_check_collects_a_dropped_cache_before_refusing(monkeypatch):
     finally:
         gc.enable()
     assert collected
+    monkeypatch.setattr(tiers, "available_memory", lambda device: 0)
     with pytest.raises(KVCapacityError, match="available"):  # still refused when it does not help
-        monkeypatch.setattr(tiers, "available_memory", lambda device: 0)
         make(cfg, batch=1)
 
 
