@@ -1,6 +1,7 @@
-"""Hugging Face integration: ``patch``/``PatchHandle``, the registered attention function, and
-``TieredCache`` (a transformers ``Cache``). Imported on first use: ``import tierattn.models``
-does not import transformers."""
+"""Engine integrations. Hugging Face models: ``patch``/``PatchHandle``, the registered attention
+function, and ``TieredCache`` (a transformers ``Cache``); transformers' continuous batching:
+``swap``/``SwapHandle`` (preempted requests kept in the tiers). Imported on first use:
+``import tierattn.models`` does not import transformers."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ _LAZY = {
     "unsupported_reason": "tierattn.models.support",
     "tiered_attention": "tierattn.models.patch",
     "TieredCache": "tierattn.models.cache",
+    "swap": "tierattn.models.continuous",
+    "SwapHandle": "tierattn.models.continuous",
+    "TieredOffloadingManager": "tierattn.models.continuous",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,8 +1,9 @@
 """The package's import layering: one-way imports between its modules, lazy (function-level)
 imports included, and no cycle anywhere.
 
-    errors -> config -> kernels -> tiers/transfer (kvfile, telemetry) -> pagemap/validate -> mover
-    -> prefetch -> importance/policy -> attention/graphs -> snapshot -> cache -> models -> eval
+    errors -> config -> kernels -> tiers/transfer (kvfile, telemetry, costmodel) ->
+    pagemap/validate -> mover -> prefetch/swapcore -> importance/policy -> attention/graphs ->
+    snapshot -> cache -> models -> eval
 
 A module may import modules of its own layer or below; an import of a higher layer, at load
 time or inside a function, fails this test, and so does a cycle inside a layer.
@@ -24,10 +25,11 @@ LAYERS = [
     ["tierattn.errors", "tierattn"],
     ["tierattn.config"],
     ["tierattn.kernels"],
-    ["tierattn.kvfile", "tierattn.telemetry", "tierattn.tiers", "tierattn.transfer"],
+    ["tierattn.costmodel", "tierattn.kvfile", "tierattn.telemetry", "tierattn.tiers",
+     "tierattn.transfer"],
     ["tierattn.pagemap", "tierattn.validate"],
     ["tierattn.mover"],
-    ["tierattn.prefetch"],
+    ["tierattn.prefetch", "tierattn.swapcore"],
     ["tierattn.importance", "tierattn.policy"],
     ["tierattn.attention", "tierattn.graphs"],
     ["tierattn.snapshot"],

@@ -13,6 +13,7 @@ from tierattn.errors import (
     KVIOError,
     TierAttnError,
     TierConfigError,
+    UnsupportedEngineError,
     UnsupportedModelError,
 )
 
@@ -32,6 +33,9 @@ _LAZY = {
     "PatchHandle": "tierattn.models.patch",
     "TieredCache": "tierattn.models.cache",
     "check_model": "tierattn.models.support",
+    "SwapConfig": "tierattn.swapcore",
+    "swap": "tierattn.models.continuous",
+    "SwapHandle": "tierattn.models.continuous",
 }
 
 
@@ -54,13 +58,17 @@ __all__ = [
     "TierAttnError",
     "PRESETS",
     "PatchHandle",
+    "SwapConfig",
+    "SwapHandle",
     "TierConfig",
     "TierConfigError",
     "TierSpec",
     "TieredCache",
     "TieredKVCache",
+    "UnsupportedEngineError",
     "UnsupportedModelError",
     "__version__",
     "check_model",
     "patch",
+    "swap",
 ]

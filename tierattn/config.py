@@ -19,7 +19,7 @@ from typing import Literal
 
 from tierattn.errors import TierConfigError
 
-__all__ = ["PRESETS", "TierConfig", "TierSpec"]
+__all__ = ["PRESETS", "TierConfig", "TierSpec", "parse_tiers"]
 
 Attend = Literal["all", "topk"]
 Score = Literal["mass", "quest", "hybrid"]
@@ -41,6 +41,8 @@ class TierSpec:
         capacity_pages: pages per layer this tier may hold; None sizes it from the config
             (``hbm``: the hot budget of every sequence plus headroom; host tiers: the rest of
             ``max_context``). Disk capacity is counted in pages as well.
+        capacity_gib: the same capacity in GiB over all layers (rounded down to whole pages);
+            give at most one of ``capacity_pages`` and ``capacity_gib``.
         path: directory of the disk tier.
         numa_node: NUMA node of a CXL tier (Linux only; elsewhere it is a plain host pool); a
             tuple gives one node per local rank (``LOCAL_RANK``) of a tensor-parallel job.
@@ -50,6 +52,7 @@ class TierSpec:
     capacity_pages: int | None = None
     path: str | None = None
     numa_node: int | tuple[int, ...] | None = None
+    capacity_gib: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in TIER_KINDS:
@@ -59,6 +62,16 @@ class TierSpec:
             raise TierConfigError(
                 f"tiers: {self.kind} capacity_pages={self.capacity_pages!r} must be an int >= 0 "
                 "or None (sized from the config).")
+        gib = self.capacity_gib
+        if gib is not None and (isinstance(gib, bool) or not isinstance(gib, (int, float))
+                                or not 0 <= gib < float("inf")):
+            raise TierConfigError(
+                f"tiers: {self.kind} capacity_gib={self.capacity_gib!r} must be a number >= 0 or "
+                "None.")
+        if self.capacity_gib is not None and self.capacity_pages is not None:
+            raise TierConfigError(
+                f"tiers: {self.kind} has both capacity_pages={self.capacity_pages} and "
+                f"capacity_gib={self.capacity_gib}; give one of them.")
         if self.kind == "disk" and not self.path:
             raise TierConfigError("tiers: a disk tier needs path='DIR' (the page files' folder).")
         if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
@@ -78,6 +91,41 @@ class TierSpec:
             raise TierConfigError(f"tiers: numa_node lists {len(self.numa_node)} nodes but this "
                                   f"is local rank {rank}; give one node per local rank.")
         return self.numa_node[rank]
+
+    def capacity(self, page_bytes: int, num_layers: int = 1) -> int | None:
+        """Pages per layer this tier may hold (``capacity_pages``, or ``capacity_gib`` in whole
+        pages of ``page_bytes`` over ``num_layers`` layers); None: sized by the caller."""
+        if self.capacity_gib is not None:
+            return int(self.capacity_gib * 2**30) // (page_bytes * num_layers)
+        return self.capacity_pages
+
+
+def parse_tiers(tiers: object, *, knob: str = "tiers",
+                kinds: tuple[str, ...] = TIER_KINDS) -> tuple[TierSpec, ...]:
+    """``tiers`` as TierSpecs (a kind's name stands for ``TierSpec(kind)``), checked: a
+    non-empty sequence of ``kinds``, each once, fastest first. Raises :class:`TierConfigError`
+    naming ``knob``."""
+    if isinstance(tiers, (str, TierSpec)) or not hasattr(tiers, "__iter__"):
+        raise TierConfigError(
+            f"{knob}: must be a sequence of TierSpec (or tier kinds), got {tiers!r}; e.g. "
+            f"{knob}=(TierSpec({kinds[0]!r}), TierSpec({kinds[1 % len(kinds)]!r})).")
+    specs = tuple(TierSpec(t) if isinstance(t, str) else t for t in tiers)
+    bad = [t for t in specs if not isinstance(t, TierSpec)]
+    if bad:
+        raise TierConfigError(f"{knob}: {bad[0]!r} is neither a TierSpec nor a tier kind "
+                              f"{kinds}.")
+    if not specs:
+        raise TierConfigError(f"{knob}: give at least one tier of {kinds}.")
+    names = [t.kind for t in specs]
+    if any(k not in kinds for k in names):
+        raise TierConfigError(f"{knob}: {names} may only hold kinds {kinds}.")
+    if len(set(names)) != len(names):
+        raise TierConfigError(f"{knob}: each kind may appear once, got {names}.")
+    order = [TIER_KINDS.index(k) for k in names]
+    if order != sorted(order):
+        raise TierConfigError(f"{knob}: tiers must go from fast to slow "
+                              f"({', '.join(kinds)}), got {names}.")
+    return specs
 
 
 def _is_int(v: object) -> bool:
@@ -205,22 +253,13 @@ class TierConfig:
         if self.attend == "all" and self.prefetch == "speculative":
             fail("prefetch", "'speculative' picks pages for attend='topk'; with attend='all' "
                  "every cold page is fetched, so use prefetch='layer_ahead' or 'none'.")
-        if isinstance(self.tiers, (str, TierSpec)) or not hasattr(self.tiers, "__iter__"):
-            fail("tiers", f"must be a sequence of TierSpec (or tier kinds), got {self.tiers!r}; "
-                 "e.g. tiers=(TierSpec('hbm'), TierSpec('ddr')).")
-        tiers = tuple(TierSpec(t) if isinstance(t, str) else t for t in self.tiers)
-        bad = [t for t in tiers if not isinstance(t, TierSpec)]
-        if bad:
-            fail("tiers", f"{bad[0]!r} is neither a TierSpec nor a tier kind {TIER_KINDS}.")
-        if not tiers or tiers[0].kind != "hbm":
+        if isinstance(self.tiers, (list, tuple)) and not self.tiers:
             fail("tiers", "the first tier must be 'hbm' (the device pool), e.g. "
                  "tiers=(TierSpec('hbm'), TierSpec('ddr')).")
-        kinds = [t.kind for t in tiers]
-        if len(set(kinds)) != len(kinds):
-            fail("tiers", f"each kind may appear once, got {kinds}.")
-        order = [TIER_KINDS.index(k) for k in kinds]
-        if order != sorted(order):
-            fail("tiers", f"tiers must go from fast to slow (hbm, ddr, cxl, disk), got {kinds}.")
+        tiers = parse_tiers(self.tiers)
+        if tiers[0].kind != "hbm":
+            fail("tiers", "the first tier must be 'hbm' (the device pool), e.g. "
+                 "tiers=(TierSpec('hbm'), TierSpec('ddr')).")
         if len(tiers) == 1 and self.demotes():
             fail("tiers", "hot_budget keeps only part of the cache in HBM and evict_budget does "
                  "not drop the rest, but no lower tier is configured; add TierSpec('ddr'), set "

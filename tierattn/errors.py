@@ -6,7 +6,8 @@ This module imports nothing from the package, so every layer (kernels included) 
 from __future__ import annotations
 
 __all__ = ["KVCapacityError", "KVFileError", "KVIOError", "KernelInputError",
-           "KernelUnsupportedError", "TierAttnError", "TierConfigError", "UnsupportedModelError"]
+           "KernelUnsupportedError", "TierAttnError", "TierConfigError", "UnsupportedEngineError",
+           "UnsupportedModelError"]
 
 
 class TierAttnError(Exception):
@@ -42,3 +43,8 @@ class UnsupportedModelError(TierAttnError, NotImplementedError):
     """A model whose structure the tiered cache cannot serve (a layer that is not full or
     sliding-window attention, KV shared across layers, cross-attention, K and V of different
     head dims); the message names the layer and the reason."""
+
+
+class UnsupportedEngineError(TierAttnError, NotImplementedError):
+    """A serving engine (or an engine release) whose internals tierattn's adapter was not
+    checked against; the message names the releases that are."""

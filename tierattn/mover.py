@@ -31,17 +31,19 @@ class Mover:
 
     Args:
         tiers: the cache's tiers.
-        pages: the page map it keeps in step with the data.
+        pages: the page map it keeps in step with the data (None: only the tier-to-tier
+            path -- :meth:`copy`, :meth:`atomic`, :meth:`count_bytes` -- is used, as by the
+            swap store, which keeps its own map).
         engine: the transfer engine (memory-to-memory copies).
         telemetry: counters of bytes and copy launches.
         device: the compute device (slot lists of engine copies live there).
     """
 
-    def __init__(self, tiers: list[Tier], pages: PageMap, engine: TransferEngine,
+    def __init__(self, tiers: list[Tier], pages: PageMap | None, engine: TransferEngine,
                  telemetry: Telemetry, device: torch.device) -> None:
         self.tiers, self.pages, self.engine = tiers, pages, engine
         self.telemetry, self.device = telemetry, device
-        self.page_size = pages.page_size
+        self.page_size = tiers[HOT].page_shape[1]
         self.page_bytes = tiers[0].page_bytes
         #: copy on the current stream without the engine's stream and events (a decode step
         #: being captured in a CUDA graph)

@@ -153,6 +153,17 @@ class MemoryTier(Tier):
         self.pinned = bool(pinned and device.type == "cpu" and torch.cuda.is_available())
         self.pools = pool.pin_memory() if self.pinned else pool
 
+    @classmethod
+    def over(cls, kind: str, pools: torch.Tensor) -> MemoryTier:
+        """A tier over ``pools [num_layers, capacity, *page_shape]`` that someone else
+        allocated and owns (a serving engine's KV cache viewed as pages): nothing is allocated
+        or poisoned, and which slots are in use is the owner's business."""
+        tier = cls.__new__(cls)
+        Tier.__init__(tier, kind, pools.shape[0], pools.shape[1], tuple(pools.shape[2:]),
+                      pools.dtype)
+        tier.device, tier.pinned, tier.pools = pools.device, pools.is_pinned(), pools
+        return tier
+
     def pool(self, layer: int) -> torch.Tensor:
         """``[capacity, 2, page_size, H_kv, D]`` view of ``layer``'s pool."""
         return self.pools[layer]
@@ -306,8 +317,11 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
         hot_max = mp  # nowhere to demote: the whole prompt stays until it is compressed
     default = {"hbm": b * min(mp, hot_max + headroom), "ddr": b * mp, "cxl": b * mp,
                "disk": b * mp}
-    capacities = [spec.capacity_pages if spec.capacity_pages is not None else
-                  default[spec.kind] for spec in cfg.tiers]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    page_bytes = math.prod(page_shape) * itemsize
+    capacities = [spec.capacity(page_bytes, num_layers) for spec in cfg.tiers]
+    capacities = [default[spec.kind] if cap is None else cap
+                  for spec, cap in zip(cfg.tiers, capacities)]
     if cfg.attend == "all":  # by default a row per sequence (demotions append in place)
         staging_pages = max(1, min(staging_pages, b * mp)) if staging_pages else b * mp
     else:  # recall: the selection, and as much again for the pages a prefetch missed
@@ -320,8 +334,6 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
                 "layer-ahead prefetch work), or None.")
         staging_pages = staging_pages or 2 * need
 
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    page_bytes = math.prod(page_shape) * itemsize
     rows = b * mp
     need: dict[str, list[tuple[str, int]]] = {}
     dev = "cuda" if device.type == "cuda" else "cpu"

@@ -1,0 +1,283 @@
+"""tierattn.swap inside transformers' continuous batching: tiny random models of four families
+(llama; qwen3; mistral, every layer sliding; gemma3_text, sliding and full layers, so two block
+sizes), ten concurrent requests of mixed lengths in a KV cache of 16 blocks of 4 tokens. Every
+run is compared token for token with the same engine given ample blocks (greedy)."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+import transformers
+
+from tierattn import kvfile, tiers
+from tierattn.config import TierSpec
+from tierattn.errors import TierConfigError, UnsupportedEngineError, UnsupportedModelError
+from tierattn.models.continuous import SUPPORTED, check_transformers, swap
+from tierattn.swapcore import SwapConfig
+
+_VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+engine = pytest.mark.skipif(_VERSION not in SUPPORTED,
+                            reason=f"transformers {transformers.__version__} is not a release "
+                                   "tierattn.swap supports")
+
+FAMILIES = {
+    "llama": {},
+    "qwen3": {},
+    "mistral": {"sliding_window": 16},
+    "gemma3_text": {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+}
+LENGTHS = (5, 9, 13, 20, 7, 17, 30, 11, 3, 25)
+NEW_TOKENS = 20
+TIGHT, AMPLE = 16, 512  # blocks of 4 tokens: the longest request (50 tokens) fits alone
+
+
+def tiny_model(model_type: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64,
+                               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                               **FAMILIES[model_type])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+PROMPTS = [torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(i)).tolist()
+           for i, n in enumerate(LENGTHS)]
+
+
+def generate(model, blocks: int) -> dict[str, list[int]]:
+    """Greedy continuous batching of PROMPTS in ``blocks`` blocks; asserts no request failed."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    out = model.generate_batch(
+        PROMPTS, generation_config=GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False,
+                                                    eos_token_id=-1),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=4, num_blocks=blocks,
+                                                            max_batch_tokens=64),
+        progress_bar=False)
+    failed = {k: o.error for k, o in out.items() if o.error is not None}
+    assert not failed, f"failed requests: {failed}"
+    assert len(out) == len(PROMPTS)
+    return {k: list(o.generated_tokens) for k, o in out.items()}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {}
+
+
+def subject(models, references, family: str = "llama"):
+    """The family's model and its tokens with ample blocks (built once per module)."""
+    if family not in models:
+        models[family] = tiny_model(family)
+        references[family] = generate(models[family], AMPLE)
+    return models[family], references[family]
+
+
+def disk(tmp_path, **kw) -> TierSpec:
+    return TierSpec("disk", path=str(tmp_path / "kv"), **kw)
+
+
+@engine
+@pytest.mark.parametrize("policy", ["swap", "recompute", "auto"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tokens_identical_under_every_policy(models, references, family, policy):
+    model, want = subject(models, references, family)
+    with swap(model, SwapConfig(policy=policy)) as handle:
+        got = generate(model, TIGHT)
+        st = handle.stats()
+    assert got == want
+    preempted = st["swapped_out"] + st["recomputed_requests"]
+    assert preempted > 0, "the KV cache was not tight: nothing was preempted"
+    assert len(st["decisions"]) == preempted
+    if policy == "swap":
+        assert st["swapped_out"] > 0 and st["swapped_in"] == st["swapped_out"]
+        assert st["bytes"]["ddr"]["stored"] == st["bytes"]["ddr"]["loaded"] > 0
+    if policy == "recompute":
+        assert st["swapped_out"] == 0 and st["bytes"]["ddr"]["stored"] == 0
+        assert st["recomputed_tokens"] > 0
+    assert st["held_bytes"]["ddr"] == 0  # every swapped request came back
+    assert st["faults"] == {"store": 0, "load": 0}
+
+
+@engine
+def test_auto_prices_every_decision(models, references):
+    model, want = subject(models, references)
+    with swap(model, SwapConfig(policy="auto")) as handle:
+        assert generate(model, TIGHT) == want
+        st = handle.stats()
+    assert st["cost_model"]["calibrated_from"] == "probes at start"
+    assert st["cost_model"]["links"]["ddr"]["store"]["observations"] > 0
+    for d in st["decisions"]:  # prefill batches ran before the first preemption
+        assert d["predicted_swap_s"] is not None and d["predicted_recompute_s"] is not None
+        cheaper = "swap" if d["predicted_swap_s"] < d["predicted_recompute_s"] else "recompute"
+        assert d["action"] == cheaper
+        if d["action"] == "swap":
+            assert d["measured_s"] > 0
+    measured = st["cost_check"]["swap"]["decisions"] + st["cost_check"]["recompute"]["decisions"]
+    assert measured > 0
+
+
+@engine
+def test_a_full_ddr_tier_spills_to_disk(models, references, tmp_path):
+    model, want = subject(models, references)
+    with swap(model, SwapConfig(tiers=(TierSpec("ddr", capacity_pages=4), disk(tmp_path)),
+                                policy="swap")) as handle:
+        assert generate(model, TIGHT) == want
+        st = handle.stats()
+    assert st["bytes"]["disk"]["stored"] > 0 and st["bytes"]["ddr"]["stored"] > 0
+    assert st["bytes"]["disk"]["stored"] == st["bytes"]["disk"]["loaded"]
+    assert not any((tmp_path / "kv").iterdir())
+
+
+@engine
+def test_every_tier_full_recomputes_and_no_request_fails(models, references, tmp_path):
+    model, want = subject(models, references)
+    tight = (TierSpec("ddr", capacity_pages=2), disk(tmp_path, capacity_pages=2))
+    with swap(model, SwapConfig(tiers=tight, policy="swap")) as handle:
+        assert generate(model, TIGHT) == want
+        st = handle.stats()
+    assert st["tiers_full"] > 0 and st["recomputed_requests"] >= st["tiers_full"]
+    assert any(d["reason"] == "tiers full" for d in st["decisions"])
+
+
+def _fail_fsync_after(monkeypatch, after: int) -> dict:
+    real, calls = os.fsync, {"n": 0, "failed": 0}
+
+    def fsync(fd):
+        calls["n"] += 1
+        if calls["n"] > after:
+            calls["failed"] += 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(kvfile.os, "fsync", fsync)
+    return calls
+
+
+@engine
+def test_a_disk_fault_on_swap_out_recomputes_that_request(models, references, tmp_path,
+                                                          monkeypatch, figures):
+    model, want = subject(models, references)
+    with swap(model, SwapConfig(tiers=(disk(tmp_path),), policy="swap")) as handle:
+        calls = _fail_fsync_after(monkeypatch, after=6)  # a few stores succeed first
+        assert generate(model, TIGHT) == want
+        st = handle.stats()
+    assert calls["failed"] > 0 and st["faults"]["store"] > 0 and st["swapped_out"] > 0
+    assert all(d["action"] == "recompute" for d in st["decisions"]
+               if d["reason"].startswith("store fault"))
+    assert not any((tmp_path / "kv").iterdir())
+    figures.count("swap faults injected (store)", st["faults"]["store"])
+    figures.count("swap faults recomputed, tokens identical", st["faults"]["store"])
+
+
+@engine
+@pytest.mark.parametrize("fault", ["EIO", "corrupted"])
+def test_a_disk_fault_on_swap_in_recomputes_that_request(models, references, tmp_path,
+                                                         monkeypatch, figures, fault):
+    model, want = subject(models, references)
+    written = {"n": 0}
+    if fault == "EIO":
+        real_read = tiers.read_kv_file
+        reads = {"n": 0}
+
+        def read(*a, **k):
+            reads["n"] += 1
+            if reads["n"] % 3 == 0:
+                raise OSError(errno.EIO, "Input/output error")
+            return real_read(*a, **k)
+
+        monkeypatch.setattr(tiers, "read_kv_file", read)
+    else:  # every third page file written is corrupted on disk after its checksum
+        real_write = tiers.write_kv_file
+
+        def write(*a, **k):
+            path = real_write(*a, **k)
+            written["n"] += 1
+            if written["n"] % 3 == 0:
+                raw = bytearray(path.read_bytes())
+                raw[-1] ^= 0x55
+                path.write_bytes(bytes(raw))
+            return path
+
+        monkeypatch.setattr(tiers, "write_kv_file", write)
+    with swap(model, SwapConfig(tiers=(disk(tmp_path),), policy="swap")) as handle:
+        assert generate(model, TIGHT) == want
+        st = handle.stats()
+    assert st["faults"]["load"] > 0 and st["swapped_in"] > 0
+    assert st["recomputed_requests"] >= st["faults"]["load"]
+    assert not any((tmp_path / "kv").iterdir())
+    figures.count("swap faults injected (load)", st["faults"]["load"])
+    figures.count("swap faults recomputed, tokens identical", st["faults"]["load"])
+
+
+@engine
+def test_a_manager_from_init_continuous_batching_is_tiered(models, references):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model, want = subject(models, references)
+    with swap(model, SwapConfig(policy="swap")) as handle:
+        manager = model.init_continuous_batching(
+            generation_config=GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False,
+                                               eos_token_id=-1),
+            continuous_batching_config=ContinuousBatchingConfig(page_size=4, num_blocks=TIGHT,
+                                                                max_batch_tokens=64))
+        manager.start()
+        try:
+            ids = manager.add_requests(PROMPTS, max_new_tokens=NEW_TOKENS)
+            got = {}
+            while len(got) < len(ids):
+                out = manager.get_result(timeout=30)
+                assert out is not None, "the manager stopped answering"
+                if out.is_finished():
+                    assert out.error is None
+                    got[out.request_id] = list(out.generated_tokens)
+        finally:
+            manager.stop(block=True)
+        st = handle.stats()
+    assert [got[i] for i in ids] == [want[i] for i in sorted(want, key=lambda k: int(k[4:]))]
+    assert st["swapped_out"] > 0
+
+
+@engine
+def test_undo_gives_the_model_back(models, references):
+    model, want = subject(models, references)
+    with swap(model, SwapConfig(policy="swap")) as handle:
+        assert swap(model, SwapConfig(policy="swap")) is handle  # idempotent
+        with pytest.raises(ValueError, match="another config"):
+            swap(model, SwapConfig(policy="recompute"))
+    assert "init_continuous_batching" not in vars(model)
+    assert not hasattr(model, "_tierattn_swap")
+    before = handle.stats()["swapped_out"]
+    assert generate(model, TIGHT) == want  # transformers' own manager: it recomputes
+    assert handle.stats()["swapped_out"] == before
+
+
+def test_misuse_is_refused_clearly(models):
+    with pytest.raises(TierConfigError, match="SwapConfig"):
+        swap(torch.nn.Linear(2, 2), config={"policy": "swap"})
+    if _VERSION in SUPPORTED:
+        with pytest.raises(UnsupportedModelError, match="continuous batching"):
+            swap(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("version", ["5.0.0", "5.20.2", "5.26.0", "6.0.0", "dev"])
+def test_an_unchecked_transformers_release_is_refused(version, monkeypatch):
+    with pytest.raises(UnsupportedEngineError, match=r"5\.21\.x"):
+        check_transformers(version)
+    monkeypatch.setattr(transformers, "__version__", version)
+    with pytest.raises(UnsupportedEngineError, match=version):
+        swap(torch.nn.Linear(2, 2))

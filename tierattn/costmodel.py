@@ -1,0 +1,260 @@
+"""Swap or recompute: the cost model, fitted from timings on this machine, never assumed.
+
+A preempted sequence is either *swapped* -- its KV stored into a tier now and loaded back when
+it resumes -- or *recomputed*: dropped, and prefilled again from its tokens when it resumes.
+
+* **Transfers**, per tier and direction (``store``: device -> tier, ``load``: tier -> device):
+  ``t = latency + bytes * seconds_per_byte``, fitted from calibration probes when the store is
+  built (or read from a calibration file) and then from every real store and load.
+* **Prefill**, per forward batch of the engine: ``t = a + b * q + c * w`` with ``q`` the batch's
+  query tokens and ``w = sum_r q_r * (past_r + (q_r + 1) / 2)`` its attention work (query-key
+  pairs). Recomputing ``T`` tokens costs their marginal share, ``b * T + c * T * (T + 1) / 2``:
+  the per-batch ``a`` is paid by batches that run anyway.
+
+Each fit is least squares over the most recent observations, with coefficients constrained to
+be non-negative and the size term (bytes, tokens) always kept, so a fit never predicts a free
+transfer or a free prefill. With too few distinct sizes to separate the terms, the size term
+alone (the mean rate) is used. :class:`Stopwatch` times work without waiting on the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierattn.errors import TierConfigError
+
+__all__ = ["CALIBRATION_FORMAT", "CostModel", "LinearFit", "Stopwatch", "attention_work"]
+
+#: ``format`` field of a calibration file (:meth:`CostModel.save`)
+CALIBRATION_FORMAT = "tierattn-swap-calibration"
+DIRECTIONS = ("store", "load")
+
+
+def attention_work(query: int, past: int) -> float:
+    """Query-key pairs a causal prefill of ``query`` tokens after ``past`` cached ones scores."""
+    return query * (past + (query + 1) / 2)
+
+
+class LinearFit:
+    """``y ~ x . coef`` by least squares over the last ``window`` observations, with
+    ``coef >= 0`` and feature ``keep`` always in the model (its coefficient > 0 when the data
+    allow). ``prior`` answers until the first observation arrives."""
+
+    def __init__(self, names: tuple[str, ...], *, keep: int, window: int = 64,
+                 prior: Sequence[float] | None = None) -> None:
+        self.names, self.keep = names, keep
+        self.rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self.prior = tuple(prior) if prior is not None else None
+        self._coef: tuple[float, ...] | None = None
+
+    def add(self, x: Sequence[float], y: float) -> None:
+        if len(x) != len(self.names):
+            raise ValueError(f"LinearFit.add: {len(x)} features, expected {self.names}.")
+        if y >= 0 and all(v >= 0 for v in x) and x[self.keep] > 0:
+            self.rows.append((tuple(float(v) for v in x), float(y)))
+            self._coef = None
+
+    @property
+    def count(self) -> int:
+        return len(self.rows)
+
+    def coef(self) -> tuple[float, ...] | None:
+        """The fitted coefficients (None: nothing observed and no prior)."""
+        if not self.rows:
+            return self.prior
+        if self._coef is None:
+            self._coef = self._solve()
+        return self._coef
+
+    def _solve(self) -> tuple[float, ...]:
+        x = np.array([r[0] for r in self.rows], dtype=np.float64)
+        y = np.array([r[1] for r in self.rows], dtype=np.float64)
+        k = x.shape[1]
+        # the mean rate of the kept feature: what is left when the terms cannot be separated
+        best = np.zeros(k)
+        best[self.keep] = y.sum() / x[:, self.keep].sum()
+        best_err = float(((x @ best - y) ** 2).sum())
+        others = [i for i in range(k) if i != self.keep]
+        scale = np.abs(x).max(axis=0)
+        scale[scale == 0] = 1.0
+        for n in range(1, len(others) + 1):
+            for extra in itertools.combinations(others, n):
+                cols = sorted((self.keep, *extra))
+                xs = x[:, cols] / scale[cols]
+                if np.linalg.matrix_rank(xs) < len(cols):
+                    continue
+                sol, *_ = np.linalg.lstsq(xs, y, rcond=None)
+                sol = sol / scale[cols]
+                if (sol < 0).any():
+                    continue
+                full = np.zeros(k)
+                full[cols] = sol
+                err = float(((x @ full - y) ** 2).sum())
+                if err < best_err * (1 - 1e-9):
+                    best, best_err = full, err
+        return tuple(float(v) for v in best)
+
+    def predict(self, x: Sequence[float]) -> float | None:
+        c = self.coef()
+        return None if c is None else float(sum(a * b for a, b in zip(c, x)))
+
+
+class CostModel:
+    """Predicted seconds of a swap (store + load) and of a recompute, from measured fits.
+
+    Args:
+        kinds: the tiers' kinds (``ddr``, ``cxl``, ``disk``), each with a store and a load fit.
+        window: observations each fit keeps.
+    """
+
+    def __init__(self, kinds: Sequence[str], *, window: int = 64) -> None:
+        self.kinds = tuple(kinds)
+        self.links = {(kind, d): LinearFit(("latency_s", "seconds_per_byte"), keep=1,
+                                           window=window)
+                      for kind in self.kinds for d in DIRECTIONS}
+        self.prefill = LinearFit(("batch_s", "seconds_per_token", "seconds_per_pair"), keep=1,
+                                 window=window)
+        self.calibrated_from: str | None = None
+
+    # --- observations -----------------------------------------------------------------------
+
+    def observe_transfer(self, kind: str, direction: str, nbytes: int, seconds: float) -> None:
+        self.links[(kind, direction)].add((1.0, float(nbytes)), seconds)
+
+    def observe_batch(self, tokens: int, work: float, seconds: float) -> None:
+        """One forward batch of ``tokens`` query tokens and ``work`` query-key pairs."""
+        self.prefill.add((1.0, float(tokens), float(work)), seconds)
+
+    # --- predictions ------------------------------------------------------------------------
+
+    def transfer_s(self, kind: str, direction: str, nbytes: int) -> float | None:
+        return self.links[(kind, direction)].predict((1.0, float(nbytes)))
+
+    def swap_s(self, placement: Sequence[tuple[str, int]]) -> float | None:
+        """Store plus load of ``placement`` (``(kind, bytes)`` per tier used); None when a
+        tier has no measurement yet."""
+        total = 0.0
+        for kind, nbytes in placement:
+            for d in DIRECTIONS:
+                t = self.transfer_s(kind, d, nbytes)
+                if t is None:
+                    return None
+                total += t
+        return total
+
+    def recompute_s(self, tokens: int) -> float | None:
+        """Prefill time of ``tokens`` tokens from scratch (None before any batch was timed)."""
+        c = self.prefill.coef()
+        if c is None:
+            return None
+        return c[1] * tokens + c[2] * attention_work(tokens, 0)
+
+    def batch_s(self) -> float:
+        """The fitted time every forward batch pays whatever it holds (0 before any)."""
+        c = self.prefill.coef()
+        return 0.0 if c is None else c[0]
+
+    def marginal_s(self, query: int, past: int) -> float:
+        """The part of a batch's time one request's ``query`` tokens after ``past`` cost (0
+        before any batch was timed)."""
+        c = self.prefill.coef()
+        return 0.0 if c is None else c[1] * query + c[2] * attention_work(query, past)
+
+    # --- persistence ------------------------------------------------------------------------
+
+    def as_dict(self) -> dict:
+        links: dict = {}
+        for (kind, d), fit in self.links.items():
+            c = fit.coef()
+            links.setdefault(kind, {})[d] = None if c is None else {
+                "latency_s": c[0], "seconds_per_byte": c[1],
+                "bandwidth_Bps": 1 / c[1] if c[1] > 0 else None, "observations": fit.count}
+        c = self.prefill.coef()
+        prefill = None if c is None else {
+            "batch_s": c[0], "seconds_per_token": c[1], "seconds_per_pair": c[2],
+            "tokens_per_s_at_1k": 1000 / max(1e-12, self.recompute_s(1000)),
+            "observations": self.prefill.count}
+        return {"format": CALIBRATION_FORMAT, "version": 1, "links": links, "prefill": prefill,
+                "calibrated_from": self.calibrated_from}
+
+    def save(self, path: str | Path) -> None:
+        """Write the fitted transfer costs as a calibration file (:meth:`load` reads it)."""
+        Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+
+    def load(self, path: str | Path) -> None:
+        """Take the transfer costs of a calibration file as the fits' priors (measurements of
+        this run replace them as they come); a kind the file lacks keeps no prior."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise TierConfigError(
+                f"calibration={str(path)!r}: cannot read it as JSON ({e}); give a file written "
+                "by CostModel.save or `tierattn bench --serving`, or None to measure at "
+                "start.") from e
+        if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT or \
+                not isinstance(data.get("links"), dict):
+            raise TierConfigError(f"calibration={str(path)!r} is not a {CALIBRATION_FORMAT} file "
+                              "(written by CostModel.save or `tierattn bench --serving`).")
+        for kind in self.kinds:
+            for d in DIRECTIONS:
+                entry = (data["links"].get(kind) or {}).get(d)
+                if entry is None:
+                    continue
+                try:
+                    prior = (float(entry["latency_s"]), float(entry["seconds_per_byte"]))
+                except (KeyError, TypeError, ValueError) as e:
+                    raise TierConfigError(f"calibration={str(path)!r}: {kind} {d} lacks numeric "
+                                      "latency_s and seconds_per_byte.") from e
+                if min(prior) < 0 or prior[1] == 0:
+                    raise TierConfigError(f"calibration={str(path)!r}: {kind} {d} has a negative "
+                                      "or zero cost.")
+                self.links[(kind, d)].prior = prior
+        self.calibrated_from = str(path)
+
+
+class Stopwatch:
+    """Times work without making the host wait for the device: ``perf_counter`` around
+    synchronous (CPU) work; on CUDA, events recorded on a stream and read once they completed
+    (:meth:`poll`), so a timed copy or forward never adds a sync."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._pending: list[tuple[object, object, Callable[[float], None]]] = []
+
+    def start(self, stream=None) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def stop(self, start: object, done: Callable[[float], None], stream=None) -> None:
+        """Call ``done(seconds)`` with the time since ``start``: now on the CPU, when the
+        device reached this point on CUDA (checked by :meth:`poll`)."""
+        if not self.cuda:
+            done(time.perf_counter() - start)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        self._pending.append((start, end, done))
+        self.poll()
+
+    def poll(self, *, wait: bool = False) -> None:
+        """Report the timings whose end the device has reached (all of them with ``wait``)."""
+        still = []
+        for start, end, done in self._pending:
+            if wait or end.query():
+                end.synchronize()
+                done(start.elapsed_time(end) / 1e3)
+            else:
+                still.append((start, end, done))
+        self._pending = still
