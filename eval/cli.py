@@ -7,6 +7,8 @@
     tierattn eval fidelity [--out-root DIR]    SmolLM2-135M: KL, top-1, perplexity, passkey
     tierattn eval keytier [--contexts N]        SmolLM2: attention each recall selector misses
     tierattn bench [--smoke] [--out-root DIR]  data movement per token vs whole-layer offload
+    tierattn bench --serving [--smoke]        continuous batching: recompute vs swap vs auto
+    tierattn serve [--swap-tiers ...] -- ARGS  `transformers serve ARGS` with tierattn.swap
     tierattn models [--types T,...]            every causal-LM type of transformers, patched
     tierattn autotune --kernel decode|score|prefill|copy   tune a kernel on this GPU
     tierattn info                              versions, device, backend, interpreter mode
@@ -15,12 +17,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import os
 import sys
 from pathlib import Path
 
 
+#: the serving bench's runs (tierattn.eval.serving.POLICIES but the reference, listed here so
+#: --help imports no torch)
+SERVING_POLICIES = ("hf-recompute", "swap-ddr", "swap-ddr+disk", "auto-ddr", "auto-ddr+disk")
 #: the eval's methods (tierattn.eval.methods.METHODS, listed here so --help imports no torch)
 METHOD_NAMES = ("full", "offload", "topk", "topk-max", "topk-quest", "evict-h2o",
                 "evict-snapkv", "evict-snapkv-decode", "evict-rkv", "evict-streaming",
@@ -84,6 +91,14 @@ def _list(item):
 
 
 _floats = _list(_float_in(0.0, 1.0, lo_open=True))  # HBM ratios / hot budgets: (0, 1]
+
+
+def _span(text: str) -> tuple[int, int]:
+    """``LO,HI``: two integers >= 1 with LO <= HI."""
+    got = _list(_int_at_least(1))(text)
+    if len(got) != 2 or got[0] > got[1]:
+        raise argparse.ArgumentTypeError(f"must be LO,HI with 1 <= LO <= HI, got {text!r}")
+    return got
 _ints = _list(_int_at_least(1))
 
 
@@ -229,6 +244,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.serving:
+        from tierattn.eval.serving import ServingSpec, run_serving, serving_summary
+
+        spec = ServingSpec.smoke() if args.smoke else ServingSpec()
+        changes = {k: v for k, v in (("prompt_lengths", args.prompt_lengths),
+                                     ("pools", args.pools), ("requests", args.requests),
+                                     ("new_tokens", args.new_tokens),
+                                     ("policies", args.policies), ("seed", args.seed))
+                   if v is not None}
+        spec = dataclasses.replace(spec, **changes)
+        print(serving_summary(run_serving(spec, out_root=args.out_root)))
+        return 0
     if args.host:
         from tierattn.eval.bench import host_summary, run_host_bench
 
@@ -284,6 +311,44 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
         print(f"tierattn autotune: {e}", file=sys.stderr)
         return 2
     print(format_summary(result))
+    return 0
+
+
+def swap_config(args: argparse.Namespace):
+    """The SwapConfig of ``tierattn serve``'s ``--swap-*`` flags."""
+    from tierattn.config import TierSpec
+    from tierattn.swapcore import SwapConfig
+
+    gib = args.swap_capacity_gib or ()
+    if gib and len(gib) != len(args.swap_tiers):
+        raise UsageError(f"--swap-capacity-gib gives {len(gib)} capacities for "
+                         f"{len(args.swap_tiers)} tiers ({','.join(args.swap_tiers)}); give one "
+                         "per tier")
+    if "disk" in args.swap_tiers and not args.swap_disk:
+        raise UsageError("--swap-tiers has disk: give its folder with --swap-disk DIR")
+    tiers = [TierSpec(kind, path=args.swap_disk if kind == "disk" else None,
+                      capacity_gib=gib[i] if gib else None)
+             for i, kind in enumerate(args.swap_tiers)]
+    return SwapConfig(tiers=tuple(tiers), policy=args.swap_policy,
+                      calibration=args.swap_calibration)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from tierattn.models.continuous import swap_every_model
+
+    from transformers.utils import is_serve_available
+
+    config = swap_config(args)
+    extra = [a for a in args.serve_args if a != "--"]
+    if not is_serve_available():
+        raise UsageError("`transformers serve` needs its serving extras: pip install "
+                         "'transformers[serving]'")
+    from transformers.cli.transformers import app
+
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("tierattn.swap").setLevel(logging.INFO)
+    with swap_every_model(config):
+        app(["serve", *extra], prog_name="tierattn serve")
     return 0
 
 
@@ -416,6 +481,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only the host-cost rows: the runtime's own work per layer and "
                             "decode step with kernels stubbed (dense, offload 50%%, topk at "
                             "4K/32K, batch 1/8; --smoke: 4K, batch 1), written to host.csv")
+    bench.add_argument("--serving", action="store_true",
+                       help="continuous batching under memory pressure on SmolLM2-135M: "
+                            "transformers' recompute vs tierattn.swap into DDR, DDR+disk and "
+                            "the cost model's choice, per prompt length and KV pool "
+                            "(--smoke: two short prompt lengths, 8 requests)")
+    bench.add_argument("--prompt-lengths", type=_ints, default=None,
+                       help="--serving: prompt tokens per cell (default 128,512,1024,2048)")
+    bench.add_argument("--pools", type=_floats, default=None,
+                       help="--serving: KV pool sizes as fractions of what the requests need "
+                            "(default 0.5)")
+    bench.add_argument("--requests", type=_int_at_least(1), default=None,
+                       help="--serving: requests per run (default 16)")
+    bench.add_argument("--new-tokens", type=_span, default=None, metavar="LO,HI",
+                       help="--serving: fewest and most new tokens per request (default 64,128)")
+    bench.add_argument("--policies", type=_choices(SERVING_POLICIES), default=None,
+                       help="--serving: which runs besides the unconstrained reference "
+                            f"(default {','.join(SERVING_POLICIES)})")
     bench.add_argument("--contexts", type=_ints, default=None,
                        help="comma-separated context lengths (default 4096,32768,131072)")
     bench.add_argument("--budgets", type=_floats, default=None,
@@ -459,6 +541,27 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--seconds", type=_float_in(0.0, 1e9, lo_open=True), default=None,
                       help="stop the sweep after this many seconds (keeps the best so far)")
     tune.set_defaults(func=_cmd_autotune)
+
+    serve = sub.add_parser(
+        "serve", help="`transformers serve` with tierattn.swap: preempted continuous-batching "
+        "requests kept in the tiers, or recomputed, as the measured cost model decides",
+        description="Runs `transformers serve ARGS` (after --) with tierattn.swap on every "
+        "model it loads; pass --continuous-batching among ARGS.")
+    serve.add_argument("--swap-tiers", type=_choices(("ddr", "cxl", "disk")), default=("ddr",),
+                       help="where preempted requests' KV goes, fastest first (default ddr)")
+    serve.add_argument("--swap-disk", default=None, metavar="DIR",
+                       help="the disk tier's folder (with --swap-tiers ...,disk)")
+    serve.add_argument("--swap-capacity-gib", type=_list(_float_in(0.0, 1e9)), default=None,
+                       help="GiB per tier, in --swap-tiers order (default: DDR/CXL as large as "
+                            "the KV pool, disk 4x)")
+    serve.add_argument("--swap-policy", choices=("auto", "swap", "recompute"), default="auto",
+                       help="auto: the cost model decides (default); swap; recompute")
+    serve.add_argument("--swap-calibration", type=_existing("file"), default=None,
+                       help="a calibration JSON (tierattn bench --serving writes one); default: "
+                            "probe the tiers at start")
+    serve.add_argument("serve_args", nargs=argparse.REMAINDER,
+                       help="-- then the arguments of `transformers serve`")
+    serve.set_defaults(func=_cmd_serve)
 
     info = sub.add_parser("info", help="versions, device and backend")
     info.set_defaults(func=_cmd_info)

@@ -56,7 +56,8 @@ GATE_TESTS = ("tests/test_decode.py", "tests/test_score.py", "tests/test_sketch.
               "tests/test_copy.py",
               "tests/test_kernel_edges.py", "tests/test_partial_states.py",
               "tests/test_transfer.py", "tests/test_runtime.py", "tests/test_conservation.py",
-              "tests/test_pagemap.py", "tests/test_decode_step.py", "tests/test_graphs.py")
+              "tests/test_pagemap.py", "tests/test_decode_step.py", "tests/test_graphs.py",
+              "tests/test_swapcore.py")
 
 
 # --- timing --------------------------------------------------------------------------------

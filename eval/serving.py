@@ -54,10 +54,14 @@ class ServingSpec:
         pools: KV pool sizes, as a fraction of the KV all requests hold at their end.
         requests: requests per run, submitted at once.
         new_tokens: fewest and most new tokens a request asks for (drawn per request).
-        policies: which of :data:`POLICIES` run (``unconstrained`` always does).
+        policies: which of :data:`POLICIES` run (``unconstrained`` always does; ``auto-ddr``
+            makes the same choice as ``swap-ddr`` wherever DDR is far cheaper than a prefill,
+            so the default leaves it out).
         page_size: tokens per block of the engine's paged cache.
         max_batch_tokens: most query tokens per forward batch.
         ddr_share: DDR capacity of the ``+disk`` runs, as a fraction of the KV pool.
+        safety_margin: share of the pool the scheduler keeps free before it admits a new
+            request (transformers' FIFO default is 0.15; vLLM keeps a 1% watermark).
         seed: the prompts' windows and the new-token counts.
     """
 
@@ -65,10 +69,11 @@ class ServingSpec:
     pools: tuple[float, ...] = (0.5,)
     requests: int = 16
     new_tokens: tuple[int, int] = (64, 128)
-    policies: tuple[str, ...] = POLICIES[1:]
+    policies: tuple[str, ...] = ("hf-recompute", "swap-ddr", "swap-ddr+disk", "auto-ddr+disk")
     page_size: int = 64
     max_batch_tokens: int = 1024
     ddr_share: float = 0.25
+    safety_margin: float = 0.0
     seed: int = 0
 
     @classmethod
@@ -147,7 +152,8 @@ def _run(model, prompts, new_tokens, spec: ServingSpec, num_blocks: int, handle=
 
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(new_tokens))
     cb = ContinuousBatchingConfig(page_size=spec.page_size, num_blocks=num_blocks,
-                                  max_batch_tokens=spec.max_batch_tokens)
+                                  max_batch_tokens=spec.max_batch_tokens,
+                                  safety_margin=spec.safety_margin)
     manager = model.init_continuous_batching(generation_config=gen,
                                              continuous_batching_config=cb)
     tokens: dict[str, list[int]] = {}
@@ -211,30 +217,36 @@ def _block_bytes(model, spec: ServingSpec) -> int:
     return cfg.num_hidden_layers * 2 * spec.page_size * heads * dim * itemsize
 
 
-def crossover_tokens(cost_model: dict, kind: str, kv_bytes_per_token: int,
-                     max_tokens: int = 1 << 20) -> float | None:
-    """Sequence length (tokens) from which the cost model (``CostModel.as_dict()``) predicts
-    a swap through ``kind`` to be cheaper than a recompute: 0 when swapping is cheaper at
-    every length, None when recomputing is cheaper up to ``max_tokens`` (or ``kind`` has no
-    measurement)."""
-    link, pre = cost_model["links"].get(kind) or {}, cost_model.get("prefill")
-    if pre is None or not link.get("store") or not link.get("load"):
-        return None
+def crossover(cost_model: dict, kind: str, kv_bytes_per_token: int, chunk: int | None,
+              max_tokens: int = 1 << 20) -> dict:
+    """Where the cost model (``CostModel.as_dict()``) predicts a swap through ``kind`` to become
+    cheaper than a recompute for good: ``{"status": "crossover", "tokens": T}`` (swap cheaper
+    from ``T`` tokens on), ``"swap cheaper"`` or ``"recompute cheaper"`` (at every length up
+    to ``max_tokens``), or ``"unmeasured"``."""
+    from tierattn.costmodel import CostModel
 
-    def gap(t: float) -> float:  # recompute minus swap, seconds
-        swap = sum(link[d]["latency_s"] + link[d]["seconds_per_byte"] * kv_bytes_per_token * t
-                   for d in ("store", "load"))
-        return pre["seconds_per_token"] * t + pre["seconds_per_pair"] * t * (t + 1) / 2 - swap
+    costs = CostModel.from_dict(cost_model)
 
-    lo, hi = 1.0, float(max_tokens)
-    if gap(lo) > 0:
-        return 0.0
-    if gap(hi) <= 0:
-        return None
-    for _ in range(60):
-        mid = (lo + hi) / 2
+    def gap(t: float) -> float | None:  # recompute minus swap, seconds
+        swap = costs.swap_s([(kind, int(kv_bytes_per_token * t))]) \
+            if kind in costs.kinds else None
+        recompute = costs.recompute_s(int(t), chunk)
+        return None if swap is None or recompute is None else recompute - swap
+
+    if gap(1) is None:
+        return {"status": "unmeasured"}
+    grid = sorted({max(1, int(2 ** (k / 4))) for k in range(4 * max_tokens.bit_length())})
+    grid = [t for t in grid if t <= max_tokens]
+    dearer = [t for t in grid if gap(t) <= 0]  # lengths where swapping costs as much or more
+    if not dearer:
+        return {"status": "swap cheaper"}
+    if dearer[-1] == grid[-1]:
+        return {"status": "recompute cheaper"}
+    lo, hi = dearer[-1], grid[grid.index(dearer[-1]) + 1]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
         lo, hi = (lo, mid) if gap(mid) > 0 else (mid, hi)
-    return hi
+    return {"status": "crossover", "tokens": hi}
 
 
 def run_serving(spec: ServingSpec = ServingSpec(), *, out_root: str | Path | None = "results",
@@ -291,8 +303,8 @@ def run_serving(spec: ServingSpec = ServingSpec(), *, out_root: str | Path | Non
                           "torch": torch.__version__},
               "date": time.strftime("%Y-%m-%d"), "block_bytes": block_bytes,
               "kv_bytes_per_token": kv_per_token, "new_tokens": new_tokens,
-              "crossover_tokens": {k: crossover_tokens(calibration, k, kv_per_token)
-                                   for k in ("ddr", "disk")} if calibration else {},
+              "crossover": {k: crossover(calibration, k, kv_per_token, spec.max_batch_tokens)
+                            for k in ("ddr", "disk")} if calibration else {},
               "cells": cells, "runs": [{k: v for k, v in r.items() if k != "tokens"}
                                        for r in runs]}
     result["targets"] = _targets(result)
@@ -372,19 +384,20 @@ def serving_plot(result: dict, path: Path) -> Path:
                 ax.plot([r["prompt_tokens"] for r in rows],
                         [r["throughput_tok_s"] for r in rows], marker="o", color=color, ls=ls,
                         label=policy)
-        for kind, x in (result.get("crossover_tokens") or {}).items():
-            if x and lengths[0] <= x <= lengths[-1]:
+        notes = []
+        for kind, c in (result.get("crossover") or {}).items():
+            x = c.get("tokens")
+            if x is not None and lengths[0] <= x <= lengths[-1]:
                 ax.axvline(x, color="gray", lw=1, ls="-.")
-                ax.annotate(f"predicted crossover ({kind}): {x:.0f} tokens", (x, 0.02),
+                ax.annotate(f"predicted crossover ({kind}): {x} tokens", (x, 0.02),
                             xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
                             color="gray", ha="right", va="bottom")
-        notes = [f"{k}: swap cheaper at every length" if x == 0 else
-                 f"{k}: recompute cheaper at every length" if x is None else None
-                 for k, x in (result.get("crossover_tokens") or {}).items()]
-        notes = [n for n in notes if n]
+            elif c["status"] != "unmeasured":
+                notes.append(f"{kind}: {c['status']}" + (f" from {x} tokens" if x else
+                                                         " at every length"))
         if notes:
-            ax.text(0.02, 0.02, "cost model: " + "; ".join(notes), transform=ax.transAxes,
-                    fontsize=7, color="gray")
+            ax.text(0.02, 0.02, "cost model: swap via " + "; ".join(notes),
+                    transform=ax.transAxes, fontsize=7, color="gray")
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [str(x) for x in lengths])
         ax.set(xlabel="prompt tokens per request", ylabel="generated tokens / s",
@@ -416,11 +429,10 @@ def serving_summary(result: dict) -> str:
         v = t["value"]
         lines.append(f"  {name}: {v if not isinstance(v, float) else round(v, 3)} "
                      f"(goal {t['goal']}) {'met' if t['met'] else 'NOT met'}")
-    cross = result.get("crossover_tokens") or {}
-    for kind, x in cross.items():
-        lines.append(f"  predicted swap/recompute crossover via {kind}: " + (
-            "swap cheaper at every length" if x == 0 else
-            "recompute cheaper at every length" if x is None else f"{x:.0f} tokens"))
+    for kind, c in (result.get("crossover") or {}).items():
+        lines.append(f"  cost model, swap via {kind}: " + (
+            f"cheaper than recompute from {c['tokens']} tokens on" if c.get("tokens") else
+            c["status"] + (" at every length" if c["status"] != "unmeasured" else "")))
     if result.get("out"):
         lines.append(f"\nresults: {result['out']}/results.json, cells.csv, runs.csv, "
                      "calibration.json")

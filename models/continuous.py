@@ -19,6 +19,7 @@ cache's allocators and ``can_store_request_tokens``, the scheduler's queues, ``R
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
@@ -36,7 +37,7 @@ except ImportError:  # a release without them: swap() refuses it by its version,
 from tierattn.errors import TierConfigError, UnsupportedEngineError, UnsupportedModelError
 from tierattn.swapcore import SwapConfig, Swapper, SwapStore
 
-__all__ = ["SUPPORTED", "SwapHandle", "TieredOffloadingManager", "swap"]
+__all__ = ["SUPPORTED", "SwapHandle", "TieredOffloadingManager", "swap", "swap_every_model"]
 
 #: transformers releases (major, minor) whose continuous-batching internals this adapter uses
 #: unchanged (offloading manager, scheduler and request state are identical from 5.21 to 5.25)
@@ -98,7 +99,8 @@ class TieredOffloadingManager(OffloadingManager):
         self._num_cpu_sectors = 0
         self.swapper = swapper
         pool, self._slots_per_block = slot_view(self.cache)
-        swapper.attach(SwapStore(swapper.config, pool))
+        swapper.attach(SwapStore(swapper.config, pool),
+                       prefill_chunk=getattr(self.cache, "max_batch_tokens", None))
         #: blocks stored per allocator, for each swapped request (pairing on the way back)
         self._stored_blocks: dict[str, dict[str, int]] = {}
         #: swapped requests loaded back at admission, not yet seen in a batch
@@ -414,11 +416,11 @@ def swap(model, config: SwapConfig | None = None) -> SwapHandle:
         UnsupportedEngineError: transformers is not a :data:`SUPPORTED` release.
         TierConfigError: ``config`` is not a SwapConfig.
     """
-    check_transformers()
     if config is not None and not isinstance(config, SwapConfig):
         raise TierConfigError(f"tierattn.swap: config must be a SwapConfig, got "
                               f"{type(config).__name__}; build one with SwapConfig(tiers=..., "
                               "policy=...).")
+    check_transformers()
     config = config or SwapConfig()
     if not callable(getattr(model, "init_continuous_batching", None)):
         raise UnsupportedModelError(
@@ -433,3 +435,37 @@ def swap(model, config: SwapConfig | None = None) -> SwapHandle:
     handle = SwapHandle(model, config)
     handle._apply()
     return handle
+
+
+@contextlib.contextmanager
+def swap_every_model(config: SwapConfig | None = None):
+    """:func:`swap` for every model that starts continuous batching inside the block -- the
+    models ``transformers serve`` loads itself (``tierattn serve``). transformers'
+    ``ContinuousMixin.init_continuous_batching`` is wrapped for the block's duration; yields
+    the list of handles made so far (one per model), which are undone at the end."""
+    check_transformers()
+    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+
+    config = config or SwapConfig()
+    original = ContinuousMixin.init_continuous_batching
+    handles: list[SwapHandle] = []
+
+    @functools.wraps(original)
+    def init_continuous_batching(model, *args, **kwargs):
+        manager = original(model, *args, **kwargs)
+        handle = getattr(model, "_tierattn_swap", None)
+        if handle is None or not handle.active:
+            handle = SwapHandle(model, config)
+            handle.active, model._tierattn_swap = True, handle
+            handles.append(handle)
+        handle._hook(manager)
+        return manager
+
+    ContinuousMixin.init_continuous_batching = init_continuous_batching
+    try:
+        yield handles
+    finally:
+        ContinuousMixin.init_continuous_batching = original
+        for handle in handles:
+            handle.undo()
+

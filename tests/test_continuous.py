@@ -6,7 +6,14 @@ run is compared token for token with the same engine given ample blocks (greedy)
 from __future__ import annotations
 
 import errno
+import json
 import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -15,7 +22,7 @@ import transformers
 from tierattn import kvfile, tiers
 from tierattn.config import TierSpec
 from tierattn.errors import TierConfigError, UnsupportedEngineError, UnsupportedModelError
-from tierattn.models.continuous import SUPPORTED, check_transformers, swap
+from tierattn.models.continuous import SUPPORTED, check_transformers, swap, swap_every_model
 from tierattn.swapcore import SwapConfig
 
 _VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2])
@@ -266,6 +273,19 @@ def test_undo_gives_the_model_back(models, references):
     assert handle.stats()["swapped_out"] == before
 
 
+@engine
+def test_swap_every_model_covers_models_it_was_not_given(models, references):
+    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+
+    model, want = subject(models, references)
+    original = ContinuousMixin.init_continuous_batching
+    with swap_every_model(SwapConfig(policy="swap")) as handles:  # as `tierattn serve` does
+        assert generate(model, TIGHT) == want
+    assert len(handles) == 1 and handles[0].stats()["swapped_out"] > 0
+    assert ContinuousMixin.init_continuous_batching is original
+    assert not hasattr(model, "_tierattn_swap")
+
+
 def test_misuse_is_refused_clearly(models):
     with pytest.raises(TierConfigError, match="SwapConfig"):
         swap(torch.nn.Linear(2, 2), config={"policy": "swap"})
@@ -281,3 +301,71 @@ def test_an_unchecked_transformers_release_is_refused(version, monkeypatch):
     monkeypatch.setattr(transformers, "__version__", version)
     with pytest.raises(UnsupportedEngineError, match=version):
         swap(torch.nn.Linear(2, 2))
+
+
+def _tiny_checkpoint(folder) -> None:
+    """A tiny random Llama and a word-level tokenizer saved as a local checkpoint."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>", "<pad>"] + [f"w{i}" for i in range(124)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>", pad_token="<pad>").save_pretrained(folder)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3)).save_pretrained(folder)
+
+
+@engine
+def test_tierattn_serve_swaps_inside_transformers_serve(tmp_path):
+    from transformers.utils import is_serve_available
+
+    if not is_serve_available():
+        pytest.skip("transformers[serving] is not installed")
+    ckpt = tmp_path / "ckpt"
+    _tiny_checkpoint(ckpt)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tierattn.eval.cli", "serve", "--swap-policy", "swap", "--",
+             str(ckpt), "--continuous-batching", "--cb-num-blocks", "10", "--cb-block-size", "4",
+             "--cb-max-batch-tokens", "64", "--port", str(port), "--device", "cpu", "--dtype",
+             "float32", "--attn-implementation", "sdpa"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://localhost:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert server.poll() is None and time.time() < deadline, log.read_text()[-2000:]
+                time.sleep(0.5)
+        answers: dict[int, dict] = {}
+
+        def ask(i: int) -> None:
+            body = json.dumps({"model": str(ckpt), "max_tokens": 16, "temperature": 0,
+                               "prompt": " ".join(f"w{j}" for j in range(3 * i, 3 * i + 20))})
+            req = urllib.request.Request(f"http://localhost:{port}/v1/completions",
+                                         body.encode(), {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                answers[i] = json.loads(r.read())
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    text = log.read_text()
+    assert len(answers) == 6 and all("choices" in a for a in answers.values()), text[-2000:]
+    assert "tierattn.swap:" in text and ": swap (policy;" in text, text[-2000:]
+

@@ -52,7 +52,8 @@ def test_import_has_no_side_effects():
 def test_cli_lists_only_working_subcommands():
     out = subprocess.run([sys.executable, "-m", "tierattn.eval.cli", "--help"], capture_output=True,
                          text=True, check=True).stdout
-    assert re.search(r"\{(.+)\}", out).group(1) == "demo,loop,eval,bench,models,autotune,info"
+    assert re.search(r"\{(.+)\}", out).group(1) == \
+        "demo,loop,eval,bench,models,autotune,serve,info"
     info = subprocess.run([sys.executable, "-m", "tierattn.eval.cli", "info"], capture_output=True,
                           text=True, check=True).stdout
     assert '"tierattn": "0.1.0"' in info

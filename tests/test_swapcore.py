@@ -13,7 +13,7 @@ import torch
 
 from tierattn import kvfile, tiers
 from tierattn.config import TierConfig, TierSpec
-from tierattn.costmodel import CostModel, LinearFit, attention_work
+from tierattn.costmodel import CostModel, LinearFit, attention_work, prefill_work
 from tierattn.errors import KVCapacityError, KVFileError, KVIOError, TierConfigError
 from tierattn.swapcore import SwapConfig, Swapper, SwapStore
 
@@ -21,13 +21,16 @@ ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 EIO = OSError(errno.EIO, "Input/output error")
 
 
-def make_pool(n: int = 12, t: int = 4, h: int = 2, d: int = 8, seed: int = 0) -> torch.Tensor:
+def make_pool(device, n: int = 12, t: int = 4, h: int = 2, d: int = 8,
+              seed: int = 0) -> torch.Tensor:
+    """An engine's KV cache as swap slots (on the GPU when there is one: the DDR tier is then
+    pinned and copies run on the transfer engine's stream)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 2, t, h, d, generator=g)
+    return torch.randn(n, 2, t, h, d, generator=g).to(device)
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.uint8)
+    return x.detach().cpu().contiguous().view(torch.uint8)
 
 
 def noop(*_):
@@ -75,7 +78,7 @@ def test_the_runtime_sizes_a_tier_from_gib():
     page_bytes = 2 * 16 * 2 * 8 * 4  # [2, P=16, H=2, D=8] fp32
     gib = 3 * 5 * page_bytes / 2**30  # 5 pages per layer over 3 layers
     cfg = TierConfig(hot_budget=0.5, tiers=(TierSpec("hbm"), TierSpec("ddr", capacity_gib=gib)),
-                     max_context=128, backend="torch")
+                     max_context=128)
     cache = TieredKVCache(cfg, num_layers=3, num_kv_heads=2, head_dim=8, batch_size=1,
                           dtype=torch.float32)
     assert cache.tiers[1].capacity == 5
@@ -83,9 +86,9 @@ def test_the_runtime_sizes_a_tier_from_gib():
 
 # --- the store ----------------------------------------------------------------------------------
 
-def test_store_and_load_are_bitwise_and_spill_to_disk(tmp_path):
-    pool = make_pool()
-    cfg = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=3), disk(tmp_path)), backend="torch")
+def test_store_and_load_are_bitwise_and_spill_to_disk(device, tmp_path):
+    pool = make_pool(device)
+    cfg = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=3), disk(tmp_path)))
     store = SwapStore(cfg, pool)
     want = pool[[1, 4, 7, 9, 10]].clone()
     seen = []
@@ -100,9 +103,9 @@ def test_store_and_load_are_bitwise_and_spill_to_disk(tmp_path):
     assert not any((tmp_path / "kv").iterdir())  # the disk slots' files are gone
 
 
-def test_load_skips_slots_the_engine_did_not_reallocate():
-    pool = make_pool()
-    store = SwapStore(SwapConfig(backend="torch"), pool)
+def test_load_skips_slots_the_engine_did_not_reallocate(device):
+    pool = make_pool(device)
+    store = SwapStore(SwapConfig(), pool)
     want = pool[[2, 3, 5]].clone()
     store.store("a", [2, 3, 5], noop)
     before = pool.clone()
@@ -113,9 +116,9 @@ def test_load_skips_slots_the_engine_did_not_reallocate():
     assert torch.equal(bits(pool[untouched]), bits(before[untouched]))
 
 
-def test_a_full_hierarchy_refuses_and_changes_nothing(tmp_path):
+def test_a_full_hierarchy_refuses_and_changes_nothing(device, tmp_path):
     store = SwapStore(SwapConfig(tiers=(TierSpec("ddr", capacity_pages=2),
-                                        disk(tmp_path, cap=1)), backend="torch"), make_pool())
+                                        disk(tmp_path, cap=1))), make_pool(device))
     store.store("a", [0, 1], noop)
     free = store.free_slots()
     assert store.plan(2) is None and store.placement(1) == [("disk", store.slot_bytes)]
@@ -126,10 +129,10 @@ def test_a_full_hierarchy_refuses_and_changes_nothing(tmp_path):
 
 @pytest.mark.parametrize("exc, after", [(ENOSPC, 0), (EIO, 1), (ENOSPC, 2)],
                          ids=["first-file", "second-file", "third-file"])
-def test_a_disk_fault_while_storing_rolls_back(tmp_path, monkeypatch, exc, after):
-    pool = make_pool()
+def test_a_disk_fault_while_storing_rolls_back(device, tmp_path, monkeypatch, exc, after):
+    pool = make_pool(device)
     store = SwapStore(SwapConfig(tiers=(TierSpec("ddr", capacity_pages=1), disk(tmp_path)),
-                                 backend="torch"), pool)
+                                 ), pool)
     real, calls = os.fsync, {"n": 0}
 
     def fsync(fd):
@@ -148,8 +151,8 @@ def test_a_disk_fault_while_storing_rolls_back(tmp_path, monkeypatch, exc, after
 
 
 @pytest.mark.parametrize("fault", ["EIO", "corrupted", "missing"])
-def test_a_bad_read_releases_everything_and_raises(tmp_path, monkeypatch, fault):
-    store = SwapStore(SwapConfig(tiers=(disk(tmp_path),), backend="torch"), make_pool())
+def test_a_bad_read_releases_everything_and_raises(device, tmp_path, monkeypatch, fault):
+    store = SwapStore(SwapConfig(tiers=(disk(tmp_path),)), make_pool(device))
     store.store("a", [0, 1], noop)
     files = sorted((tmp_path / "kv").iterdir())
     assert len(files) == 2
@@ -169,9 +172,9 @@ def test_a_bad_read_releases_everything_and_raises(tmp_path, monkeypatch, fault)
     assert not any((tmp_path / "kv").iterdir())
 
 
-def test_calibration_probes_leave_the_pool_and_tiers_as_they_were(tmp_path):
-    pool = make_pool()
-    store = SwapStore(SwapConfig(tiers=("ddr", disk(tmp_path)), backend="torch"), pool)
+def test_calibration_probes_leave_the_pool_and_tiers_as_they_were(device, tmp_path):
+    pool = make_pool(device)
+    store = SwapStore(SwapConfig(tiers=("ddr", disk(tmp_path))), pool)
     before = bits(pool).clone()
     costs = CostModel(store.kinds)
     store.calibrate(costs, probe_slots=3, repeats=2)
@@ -207,15 +210,33 @@ def test_linear_fit_never_predicts_a_free_transfer():
     assert LinearFit(("a", "b"), keep=1, prior=(1.0, 2.0)).predict((1.0, 3.0)) == 7.0
 
 
-def test_prefill_fit_prices_a_recompute_by_tokens_and_attention():
+def test_prefill_fit_prices_a_recompute_by_tokens_kv_and_attention():
     costs = CostModel(["ddr"])
-    a, b, c = 3e-3, 2e-5, 4e-9
-    for q, past in ((16, 0), (64, 100), (256, 0), (8, 900), (128, 512), (300, 40)):
+    a, b, c, d = 3e-3, 2e-5, 6e-7, 4e-9
+    for q, past, n in ((16, 0, 1), (64, 100, 1), (256, 0, 2), (8, 900, 8), (128, 512, 3),
+                       (300, 40, 2), (4, 4000, 4)):
         w = attention_work(q, past)
-        costs.observe_batch(q, w, a + b * q + c * w)
-    assert costs.recompute_s(1000) == pytest.approx(b * 1000 + c * 1000 * 1001 / 2, rel=1e-6)
+        costs.observe_batch(q, past + q, w, a + b * q + c * (past + q) + d * w,
+                            decode=q == n)
+    # 1000 tokens in chunks of 400: 400 + 400 + 200 queries over 400, 800, 1000 held KV
+    pairs = attention_work(400, 0) + attention_work(400, 400) + attention_work(200, 800)
+    assert costs.recompute_s(1000, 400) == pytest.approx(
+        b * 1000 + c * (400 + 800 + 1000) + d * pairs, rel=1e-6)
+    assert prefill_work(1000, 400) == (1000, 2200, pairs)
+    assert prefill_work(1000) == (1000, 1000, attention_work(1000, 0))
     assert costs.batch_s() == pytest.approx(a, rel=1e-6)
-    assert costs.marginal_s(10, 5) == pytest.approx(b * 10 + c * attention_work(10, 5), rel=1e-6)
+    assert costs.marginal_s(10, 5) == pytest.approx(
+        b * 10 + c * 15 + d * attention_work(10, 5), rel=1e-6)
+
+
+def test_a_long_decode_phase_keeps_the_prefill_batches():
+    costs = CostModel(["ddr"], window=8)
+    for q in (100, 200, 400, 800):
+        costs.observe_batch(q, q, attention_work(q, 0), 1e-3 * q)
+    for past in range(100):  # many decode steps after
+        costs.observe_batch(4, 4 * (past + 1), 4 * (past + 1), 0.01 + 4e-3, decode=True)
+    assert costs.prefill.count == 12
+    assert costs.recompute_s(1000) == pytest.approx(1.0, rel=0.05)
 
 
 def test_calibration_file_round_trip_and_bad_files(tmp_path):
@@ -251,11 +272,10 @@ def primed(config: SwapConfig, pool: torch.Tensor, *, store_s: float, prefill_to
     for kind in sw.costs.kinds:
         for d in ("store", "load"):
             fit = sw.costs.links[(kind, d)]
-            fit.rows.clear()
+            fit.clear()
             fit.prior = (0.0, store_s / slot)
-            fit._coef = None
     for q in (10, 20, 40):
-        sw.costs.observe_batch(q, 0.0, q * prefill_token_s)
+        sw.costs.observe_batch(q, 0, 0.0, q * prefill_token_s)
     return sw
 
 
@@ -265,9 +285,9 @@ def primed(config: SwapConfig, pool: torch.Tensor, *, store_s: float, prefill_to
     ("swap", 1e-4, "swap", "policy"),
     ("recompute", 1e-3, "recompute", "policy"),
 ])
-def test_the_policy_picks_the_cheaper_or_the_one_asked(policy, token_s, action, reason):
-    pool = make_pool()
-    sw = primed(SwapConfig(policy=policy, calibration=None, backend="torch"), pool,
+def test_the_policy_picks_the_cheaper_or_the_one_asked(device, policy, token_s, action, reason):
+    pool = make_pool(device)
+    sw = primed(SwapConfig(policy=policy, calibration=None), pool,
                 store_s=1e-3, prefill_token_s=token_s)
     d = sw.preempt("a", [0, 1, 2, 3], tokens=16, recompute_tokens=20, blocks=4)
     assert (d.action, d.reason) == (action, reason)
@@ -278,18 +298,16 @@ def test_the_policy_picks_the_cheaper_or_the_one_asked(policy, token_s, action, 
     assert st["swapped_out"] == (action == "swap") and st["decisions"][0]["action"] == action
 
 
-def test_a_store_fault_or_full_tiers_become_recomputes(tmp_path, monkeypatch):
-    pool = make_pool()
-    cfg = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=2), disk(tmp_path)), policy="swap",
-                     backend="torch")
+def test_a_store_fault_or_full_tiers_become_recomputes(device, tmp_path, monkeypatch):
+    pool = make_pool(device)
+    cfg = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=2), disk(tmp_path)), policy="swap")
     sw = Swapper(cfg)
     sw.attach(SwapStore(cfg, pool))
     monkeypatch.setattr(kvfile.os, "fsync", lambda fd: (_ for _ in ()).throw(ENOSPC))
     d = sw.preempt("a", [0, 1, 2], tokens=12, recompute_tokens=12, blocks=3)
     assert d.action == "recompute" and d.reason.startswith("store fault")
     monkeypatch.undo()
-    full = Swapper(SwapConfig(tiers=(TierSpec("ddr", capacity_pages=1),), policy="swap",
-                              backend="torch"))
+    full = Swapper(SwapConfig(tiers=(TierSpec("ddr", capacity_pages=1),), policy="swap"))
     full.attach(SwapStore(full.config, pool))
     d2 = full.preempt("b", [0, 1], tokens=8, recompute_tokens=8, blocks=2)
     assert (d2.action, d2.reason) == ("recompute", "tiers full")
@@ -297,9 +315,9 @@ def test_a_store_fault_or_full_tiers_become_recomputes(tmp_path, monkeypatch):
     assert sw.stats()["held_bytes"] == {"ddr": 0, "disk": 0}
 
 
-def test_resume_loads_or_reports_a_load_fault(tmp_path, monkeypatch):
-    pool = make_pool()
-    cfg = SwapConfig(tiers=(disk(tmp_path),), policy="swap", backend="torch")
+def test_resume_loads_or_reports_a_load_fault(device, tmp_path, monkeypatch):
+    pool = make_pool(device)
+    cfg = SwapConfig(tiers=(disk(tmp_path),), policy="swap")
     sw = Swapper(cfg)
     sw.attach(SwapStore(cfg, pool))
     want = pool[[0, 1]].clone()
@@ -320,9 +338,9 @@ def test_resume_loads_or_reports_a_load_fault(tmp_path, monkeypatch):
     assert a["measured_s"] == a["measured_store_s"] + a["measured_load_s"]
 
 
-def test_a_recompute_is_charged_its_share_of_the_batches():
-    pool = make_pool()
-    sw = primed(SwapConfig(policy="recompute", backend="torch"), pool, store_s=1e-3,
+def test_a_recompute_is_charged_its_share_of_the_batches(device):
+    pool = make_pool(device)
+    sw = primed(SwapConfig(policy="recompute"), pool, store_s=1e-3,
                 prefill_token_s=1e-3)
     d = sw.preempt("a", [0], tokens=4, recompute_tokens=30, blocks=1)
     sw.begin_recompute("a", d)

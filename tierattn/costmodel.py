@@ -6,15 +6,20 @@ it resumes -- or *recomputed*: dropped, and prefilled again from its tokens when
 * **Transfers**, per tier and direction (``store``: device -> tier, ``load``: tier -> device):
   ``t = latency + bytes * seconds_per_byte``, fitted from calibration probes when the store is
   built (or read from a calibration file) and then from every real store and load.
-* **Prefill**, per forward batch of the engine: ``t = a + b * q + c * w`` with ``q`` the batch's
-  query tokens and ``w = sum_r q_r * (past_r + (q_r + 1) / 2)`` its attention work (query-key
-  pairs). Recomputing ``T`` tokens costs their marginal share, ``b * T + c * T * (T + 1) / 2``:
-  the per-batch ``a`` is paid by batches that run anyway.
+* **Forward batches** of the engine: ``t = a + b * q + c * kv + d * w`` with ``q`` the batch's
+  query tokens, ``kv`` the KV tokens its requests hold (past + new: what attention reads) and
+  ``w = sum_r q_r * (past_r + (q_r + 1) / 2)`` the query-key pairs it scores. Recomputing
+  ``T`` tokens in chunks of ``C`` costs their marginal share, ``b * T + c * kv(T) + d * w(T)``
+  summed over the chunks: the per-batch ``a`` is paid by batches that run anyway. (Measured on
+  SmolLM2-135M under transformers' continuous batching on 2 CPU cores, the ``kv`` term -- the
+  engine gathers every request's KV each layer -- is most of a decode step's time.)
 
-Each fit is least squares over the most recent observations, with coefficients constrained to
-be non-negative and the size term (bytes, tokens) always kept, so a fit never predicts a free
-transfer or a free prefill. With too few distinct sizes to separate the terms, the size term
-alone (the mean rate) is used. :class:`Stopwatch` times work without waiting on the device.
+Each fit is least squares over recent observations, kept per group (prefill batches and decode
+batches apart, so a long decode phase does not push every prefill out of the window), with
+coefficients constrained to be non-negative and the size term (bytes, query tokens) always
+kept, so a fit never predicts a free transfer or a free prefill. With too few distinct points
+to separate the terms, the size term alone (the mean rate) is used. :class:`Stopwatch` times
+work without waiting on the device.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import torch
 
 from tierattn.errors import TierConfigError
 
-__all__ = ["CALIBRATION_FORMAT", "CostModel", "LinearFit", "Stopwatch", "attention_work"]
+__all__ = ["CALIBRATION_FORMAT", "CostModel", "LinearFit", "Stopwatch", "attention_work",
+           "prefill_work"]
 
 #: ``format`` field of a calibration file (:meth:`CostModel.save`)
 CALIBRATION_FORMAT = "tierattn-swap-calibration"
@@ -43,6 +49,17 @@ def attention_work(query: int, past: int) -> float:
     return query * (past + (query + 1) / 2)
 
 
+def prefill_work(tokens: int, chunk: int | None = None) -> tuple[float, float, float]:
+    """``(query tokens, KV tokens held, query-key pairs)`` of prefilling ``tokens`` tokens from
+    nothing in chunks of ``chunk`` (None: one chunk), summed over the chunks."""
+    chunk = max(1, chunk or tokens or 1)
+    q = kv = w = 0.0
+    for start in range(0, tokens, chunk):
+        n = min(chunk, tokens - start)
+        q, kv, w = q + n, kv + start + n, w + attention_work(n, start)
+    return q, kv, w
+
+
 class LinearFit:
     """``y ~ x . coef`` by least squares over the last ``window`` observations, with
     ``coef >= 0`` and feature ``keep`` always in the model (its coefficient > 0 when the data
@@ -50,33 +67,44 @@ class LinearFit:
 
     def __init__(self, names: tuple[str, ...], *, keep: int, window: int = 64,
                  prior: Sequence[float] | None = None) -> None:
-        self.names, self.keep = names, keep
-        self.rows: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self.names, self.keep, self.window = names, keep, window
+        #: the last ``window`` observations of each group
+        self.groups: dict[str, deque[tuple[tuple[float, ...], float]]] = {}
         self.prior = tuple(prior) if prior is not None else None
         self._coef: tuple[float, ...] | None = None
 
-    def add(self, x: Sequence[float], y: float) -> None:
+    def add(self, x: Sequence[float], y: float, group: str = "") -> None:
         if len(x) != len(self.names):
             raise ValueError(f"LinearFit.add: {len(x)} features, expected {self.names}.")
         if y >= 0 and all(v >= 0 for v in x) and x[self.keep] > 0:
-            self.rows.append((tuple(float(v) for v in x), float(y)))
+            rows = self.groups.setdefault(group, deque(maxlen=self.window))
+            rows.append((tuple(float(v) for v in x), float(y)))
             self._coef = None
+
+    def clear(self) -> None:
+        self.groups.clear()
+        self._coef = None
+
+    @property
+    def rows(self) -> list[tuple[tuple[float, ...], float]]:
+        return [r for rows in self.groups.values() for r in rows]
 
     @property
     def count(self) -> int:
-        return len(self.rows)
+        return sum(len(rows) for rows in self.groups.values())
 
     def coef(self) -> tuple[float, ...] | None:
         """The fitted coefficients (None: nothing observed and no prior)."""
-        if not self.rows:
+        if not self.count:
             return self.prior
         if self._coef is None:
             self._coef = self._solve()
         return self._coef
 
     def _solve(self) -> tuple[float, ...]:
-        x = np.array([r[0] for r in self.rows], dtype=np.float64)
-        y = np.array([r[1] for r in self.rows], dtype=np.float64)
+        rows = self.rows
+        x = np.array([r[0] for r in rows], dtype=np.float64)
+        y = np.array([r[1] for r in rows], dtype=np.float64)
         k = x.shape[1]
         # the mean rate of the kept feature: what is left when the terms cannot be separated
         best = np.zeros(k)
@@ -120,8 +148,8 @@ class CostModel:
         self.links = {(kind, d): LinearFit(("latency_s", "seconds_per_byte"), keep=1,
                                            window=window)
                       for kind in self.kinds for d in DIRECTIONS}
-        self.prefill = LinearFit(("batch_s", "seconds_per_token", "seconds_per_pair"), keep=1,
-                                 window=window)
+        self.prefill = LinearFit(("batch_s", "seconds_per_token", "seconds_per_kv_token",
+                                  "seconds_per_pair"), keep=1, window=window)
         self.calibrated_from: str | None = None
 
     # --- observations -----------------------------------------------------------------------
@@ -129,9 +157,12 @@ class CostModel:
     def observe_transfer(self, kind: str, direction: str, nbytes: int, seconds: float) -> None:
         self.links[(kind, direction)].add((1.0, float(nbytes)), seconds)
 
-    def observe_batch(self, tokens: int, work: float, seconds: float) -> None:
-        """One forward batch of ``tokens`` query tokens and ``work`` query-key pairs."""
-        self.prefill.add((1.0, float(tokens), float(work)), seconds)
+    def observe_batch(self, tokens: int, kv: int, pairs: float, seconds: float, *,
+                      decode: bool = False) -> None:
+        """One forward batch: ``tokens`` query tokens, ``kv`` KV tokens held by its requests,
+        ``pairs`` query-key pairs; ``decode``: one token per request (kept apart)."""
+        self.prefill.add((1.0, float(tokens), float(kv), float(pairs)), seconds,
+                         "decode" if decode else "prefill")
 
     # --- predictions ------------------------------------------------------------------------
 
@@ -150,12 +181,14 @@ class CostModel:
                 total += t
         return total
 
-    def recompute_s(self, tokens: int) -> float | None:
-        """Prefill time of ``tokens`` tokens from scratch (None before any batch was timed)."""
+    def recompute_s(self, tokens: int, chunk: int | None = None) -> float | None:
+        """Prefill time of ``tokens`` tokens from scratch in chunks of ``chunk`` (None before
+        any batch was timed)."""
         c = self.prefill.coef()
         if c is None:
             return None
-        return c[1] * tokens + c[2] * attention_work(tokens, 0)
+        q, kv, w = prefill_work(tokens, chunk)
+        return c[1] * q + c[2] * kv + c[3] * w
 
     def batch_s(self) -> float:
         """The fitted time every forward batch pays whatever it holds (0 before any)."""
@@ -166,7 +199,9 @@ class CostModel:
         """The part of a batch's time one request's ``query`` tokens after ``past`` cost (0
         before any batch was timed)."""
         c = self.prefill.coef()
-        return 0.0 if c is None else c[1] * query + c[2] * attention_work(query, past)
+        if c is None:
+            return 0.0
+        return c[1] * query + c[2] * (past + query) + c[3] * attention_work(query, past)
 
     # --- persistence ------------------------------------------------------------------------
 
@@ -179,7 +214,7 @@ class CostModel:
                 "bandwidth_Bps": 1 / c[1] if c[1] > 0 else None, "observations": fit.count}
         c = self.prefill.coef()
         prefill = None if c is None else {
-            "batch_s": c[0], "seconds_per_token": c[1], "seconds_per_pair": c[2],
+            **dict(zip(self.prefill.names, c)),
             "tokens_per_s_at_1k": 1000 / max(1e-12, self.recompute_s(1000)),
             "observations": self.prefill.count}
         return {"format": CALIBRATION_FORMAT, "version": 1, "links": links, "prefill": prefill,
@@ -191,7 +226,8 @@ class CostModel:
 
     def load(self, path: str | Path) -> None:
         """Take the transfer costs of a calibration file as the fits' priors (measurements of
-        this run replace them as they come); a kind the file lacks keeps no prior."""
+        this run replace them as they come); a kind the file lacks keeps no prior. (Prefill
+        costs belong to a model, not a machine: they are always measured.)"""
         path = Path(path)
         try:
             data = json.loads(path.read_text())
@@ -200,10 +236,23 @@ class CostModel:
                 f"calibration={str(path)!r}: cannot read it as JSON ({e}); give a file written "
                 "by CostModel.save or `tierattn bench --serving`, or None to measure at "
                 "start.") from e
+        self.apply(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        """A cost model predicting what ``data`` (:meth:`as_dict`) describes, prefill included."""
+        model = cls(list(data.get("links", {})))
+        model.apply(data, source="as_dict", prefill=True)
+        return model
+
+    def apply(self, data: dict, *, source: str, prefill: bool = False) -> None:
+        """Take the costs of ``data`` (:meth:`as_dict`'s shape) as priors."""
         if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT or \
                 not isinstance(data.get("links"), dict):
-            raise TierConfigError(f"calibration={str(path)!r} is not a {CALIBRATION_FORMAT} file "
-                              "(written by CostModel.save or `tierattn bench --serving`).")
+            raise TierConfigError(f"calibration={source!r} is not a {CALIBRATION_FORMAT} file "
+                                  "(written by CostModel.save or `tierattn bench --serving`).")
+        if prefill and data.get("prefill"):
+            self.prefill.prior = tuple(float(data["prefill"][n]) for n in self.prefill.names)
         for kind in self.kinds:
             for d in DIRECTIONS:
                 entry = (data["links"].get(kind) or {}).get(d)
@@ -212,13 +261,13 @@ class CostModel:
                 try:
                     prior = (float(entry["latency_s"]), float(entry["seconds_per_byte"]))
                 except (KeyError, TypeError, ValueError) as e:
-                    raise TierConfigError(f"calibration={str(path)!r}: {kind} {d} lacks numeric "
-                                      "latency_s and seconds_per_byte.") from e
+                    raise TierConfigError(f"calibration={source!r}: {kind} {d} lacks numeric "
+                                          "latency_s and seconds_per_byte.") from e
                 if min(prior) < 0 or prior[1] == 0:
-                    raise TierConfigError(f"calibration={str(path)!r}: {kind} {d} has a negative "
-                                      "or zero cost.")
+                    raise TierConfigError(f"calibration={source!r}: {kind} {d} has a negative "
+                                          "or zero cost.")
                 self.links[(kind, d)].prior = prior
-        self.calibrated_from = str(path)
+        self.calibrated_from = source
 
 
 class Stopwatch:

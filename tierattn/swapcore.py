@@ -24,6 +24,7 @@ slots and files live as long as the store.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import uuid
@@ -49,6 +50,8 @@ __all__ = ["Decision", "SwapConfig", "SwapLog", "SwapStore", "Swapper"]
 
 Policy = Literal["auto", "swap", "recompute"]
 POLICIES = ("auto", "swap", "recompute")
+#: one INFO line per decision (``tierattn serve`` shows them)
+logger = logging.getLogger("tierattn.swap")
 SWAP_TIER_KINDS = ("ddr", "cxl", "disk")
 #: default disk capacity, in KV pools: a disk tier is not allocated up front
 DISK_POOLS = 4
@@ -370,18 +373,20 @@ class Swapper:
         self.costs = costs or CostModel([s.kind for s in config.tiers])
         self.log = SwapLog()
         self.store: SwapStore | None = None
+        self.prefill_chunk: int | None = None
         self._calibrated = False
         #: requests prefilling again after a recompute decision, and that decision
         self._recomputing: dict[str, Decision] = {}
         #: requests swapped out, and their decision (completed when they load)
         self._swapped: dict[str, Decision] = {}
 
-    def attach(self, store: SwapStore) -> None:
+    def attach(self, store: SwapStore, *, prefill_chunk: int | None = None) -> None:
         """Serve the engine cache behind ``store`` (the previous store's requests are
-        forgotten); the first store calibrates the transfer costs."""
+        forgotten); the first store calibrates the transfer costs. ``prefill_chunk``: most
+        tokens of one request the engine prefills per forward (prices a recompute)."""
         if self.store is not None:
             self.store.clear()
-        self.store = store
+        self.store, self.prefill_chunk = store, prefill_chunk
         self._swapped.clear()
         self._recomputing.clear()
         if not self._calibrated:
@@ -399,7 +404,7 @@ class Swapper:
         room or a tier's costs are unknown, recompute None before any batch was timed."""
         place = self.store.placement(slots) if self.store is not None else None
         swap = None if place is None else self.costs.swap_s(place)
-        return swap, self.costs.recompute_s(recompute_tokens)
+        return swap, self.costs.recompute_s(recompute_tokens, self.prefill_chunk)
 
     def restore_cost(self, *, slots: int, recompute_tokens: int) -> float | None:
         """What restoring a victim is predicted to cost under the policy (None: unknown)."""
@@ -451,6 +456,10 @@ class Swapper:
                     self.log.stored_bytes[kind] = self.log.stored_bytes.get(kind, 0) + n
                 self._swapped[request_id] = d
         self.log.decisions.append(d)
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("%s: %s (%s; %d tokens, %.1f MB; predicted swap %s, recompute %s)",
+                        request_id, d.action, d.reason, tokens, nbytes / 1e6,
+                        _seconds(swap_s), _seconds(recompute_s))
         return d
 
     def _timing(self, d: Decision):
@@ -502,8 +511,9 @@ class Swapper:
         tokens, prefill finished)``. Feeds the prefill fit and charges recomputing requests
         their share."""
         tokens = sum(q for _, q, _, _ in rows)
-        work = sum(attention_work(q, past) for _, q, past, _ in rows)
-        self.costs.observe_batch(tokens, work, seconds)
+        self.costs.observe_batch(tokens, sum(past + q for _, q, past, _ in rows),
+                                 sum(attention_work(q, past) for _, q, past, _ in rows),
+                                 seconds, decode=all(q == 1 for _, q, _, _ in rows))
         if not self._recomputing:
             return
         # each request's marginal time, over the batch's predicted time: the batch overhead
@@ -556,3 +566,7 @@ class Swapper:
             "cost_check": check,
             "cost_model": self.costs.as_dict(),
         }
+
+
+def _seconds(s: float | None) -> str:
+    return "unmeasured" if s is None else f"{s * 1e3:.1f} ms"
