@@ -228,7 +228,6 @@ class TieredOffloadingManager(OffloadingManager):
         state._status = RequestStatus.FINISHED
         state.is_cpu_offloaded = False
         self.scheduler.waiting_requests[rid] = fresh
-        self.swapper.begin_recompute(rid)
         self._changed = True
         return False
 

@@ -1,12 +1,14 @@
-"""Shared test helpers: one-row page tables, and a multi-layer decode loop over random KV with a
-shadow copy for the runtime tests."""
+"""Shared test helpers: one-row page tables, a multi-layer decode loop over random KV with a
+shadow copy for the runtime tests, and disk faults."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
+from tierattn import kvfile
 from tierattn.cache import TieredKVCache
 from tierattn.kernels import PageTable
 
@@ -66,3 +68,22 @@ def run_loop(cache: TieredKVCache, shadow: Shadow, *, prompt: int, steps: int, h
             if check is not None:
                 worst = max(worst, check(layer, out, q))
     return worst
+
+
+def fail_disk_writes(monkeypatch, exc: BaseException, after: int = 0) -> dict:
+    """Every page-file write after the first ``after`` fails with ``exc`` while its temp file
+    is written (so the writer's own cleanup runs). Returns the counts ``{"n": writes tried,
+    "failed": writes failed}``."""
+    real = os.fsync
+    calls = {"n": 0, "failed": 0}
+
+    def fsync(fd):
+        calls["n"] += 1
+        if calls["n"] > after:
+            calls["failed"] += 1
+            raise exc
+        return real(fd)
+
+    monkeypatch.setattr(kvfile.os, "fsync", fsync)
+    return calls
+

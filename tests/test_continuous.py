@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -18,8 +17,9 @@ import urllib.request
 import pytest
 import torch
 import transformers
+from helpers import fail_disk_writes
 
-from tierattn import kvfile, tiers
+from tierattn import tiers
 from tierattn.config import TierSpec
 from tierattn.errors import TierConfigError, UnsupportedEngineError, UnsupportedModelError
 from tierattn.models.continuous import SUPPORTED, check_transformers, swap, swap_every_model
@@ -30,6 +30,7 @@ engine = pytest.mark.skipif(_VERSION not in SUPPORTED,
                             reason=f"transformers {transformers.__version__} is not a release "
                                    "tierattn.swap supports")
 
+ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 FAMILIES = {
     "llama": {},
     "qwen3": {},
@@ -160,26 +161,12 @@ def test_every_tier_full_recomputes_and_no_request_fails(models, references, tmp
     assert any(d["reason"] == "tiers full" for d in st["decisions"])
 
 
-def _fail_fsync_after(monkeypatch, after: int) -> dict:
-    real, calls = os.fsync, {"n": 0, "failed": 0}
-
-    def fsync(fd):
-        calls["n"] += 1
-        if calls["n"] > after:
-            calls["failed"] += 1
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd)
-
-    monkeypatch.setattr(kvfile.os, "fsync", fsync)
-    return calls
-
-
 @engine
 def test_a_disk_fault_on_swap_out_recomputes_that_request(models, references, tmp_path,
                                                           monkeypatch, figures):
     model, want = subject(models, references)
     with swap(model, SwapConfig(tiers=(disk(tmp_path),), policy="swap")) as handle:
-        calls = _fail_fsync_after(monkeypatch, after=6)  # a few stores succeed first
+        calls = fail_disk_writes(monkeypatch, ENOSPC, after=6)  # a few stores succeed first
         assert generate(model, TIGHT) == want
         st = handle.stats()
     assert calls["failed"] > 0 and st["faults"]["store"] > 0 and st["swapped_out"] > 0

@@ -21,14 +21,13 @@ The counts (tried / typed / state unchanged) go to the figures table; the README
 from __future__ import annotations
 
 import errno
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import Shadow, run_loop
+from helpers import Shadow, fail_disk_writes, run_loop
 
-from tierattn import kvfile, tiers
+from tierattn import tiers
 from tierattn.cache import TieredKVCache
 from tierattn.config import TierConfig, TierSpec
 from tierattn.errors import (KernelInputError, KVCapacityError, KVFileError, KVIOError,
@@ -133,21 +132,6 @@ def same(a: list, b: list) -> bool:
 
 
 # --- faults -------------------------------------------------------------------------------
-
-def fail_disk_writes(monkeypatch, exc: BaseException, after: int = 0) -> None:
-    """Every page-file write after the first ``after`` fails with ``exc`` while its temp file
-    is written (so the writer's own cleanup runs)."""
-    real = os.fsync
-    calls = {"n": 0}
-
-    def fsync(fd):
-        calls["n"] += 1
-        if calls["n"] > after:
-            raise exc
-        return real(fd)
-
-    monkeypatch.setattr(kvfile.os, "fsync", fsync)
-
 
 def fail_disk_reads(monkeypatch, exc: BaseException) -> None:
     def read(*a, **k):

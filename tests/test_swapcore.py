@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 
 import pytest
 import torch
+from helpers import fail_disk_writes
 
-from tierattn import kvfile, tiers
+from tierattn import tiers
 from tierattn.config import TierConfig, TierSpec
 from tierattn.costmodel import CostModel, LinearFit, attention_work, prefill_work
 from tierattn.errors import KVCapacityError, KVFileError, KVIOError, TierConfigError
@@ -131,17 +131,9 @@ def test_a_full_hierarchy_refuses_and_changes_nothing(device, tmp_path):
                          ids=["first-file", "second-file", "third-file"])
 def test_a_disk_fault_while_storing_rolls_back(device, tmp_path, monkeypatch, exc, after):
     pool = make_pool(device)
-    store = SwapStore(SwapConfig(tiers=(TierSpec("ddr", capacity_pages=1), disk(tmp_path)),
-                                 ), pool)
-    real, calls = os.fsync, {"n": 0}
-
-    def fsync(fd):
-        calls["n"] += 1
-        if calls["n"] > after:
-            raise exc
-        return real(fd)
-
-    monkeypatch.setattr(kvfile.os, "fsync", fsync)
+    store = SwapStore(SwapConfig(tiers=(TierSpec("ddr", capacity_pages=1), disk(tmp_path))),
+                      pool)
+    fail_disk_writes(monkeypatch, exc, after)
     before = bits(pool).clone()
     with pytest.raises(KVIOError):
         store.store("a", [0, 1, 2, 3], noop)
@@ -303,7 +295,7 @@ def test_a_store_fault_or_full_tiers_become_recomputes(device, tmp_path, monkeyp
     cfg = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=2), disk(tmp_path)), policy="swap")
     sw = Swapper(cfg)
     sw.attach(SwapStore(cfg, pool))
-    monkeypatch.setattr(kvfile.os, "fsync", lambda fd: (_ for _ in ()).throw(ENOSPC))
+    fail_disk_writes(monkeypatch, ENOSPC)
     d = sw.preempt("a", [0, 1, 2], tokens=12, recompute_tokens=12, blocks=3)
     assert d.action == "recompute" and d.reason.startswith("store fault")
     monkeypatch.undo()
@@ -327,7 +319,6 @@ def test_resume_loads_or_reports_a_load_fault(device, tmp_path, monkeypatch):
     assert torch.equal(bits(pool[[6, 7]]), bits(want))
     monkeypatch.setattr(tiers, "read_kv_file", lambda *a, **k: (_ for _ in ()).throw(EIO))
     assert not sw.resume("b", [8, 9])
-    sw.begin_recompute("b")
     st = sw.stats()
     assert (st["swapped_in"], st["faults"]["load"], st["recomputed_requests"]) == (1, 1, 1)
     assert st["bytes"]["disk"] == {"stored": 4 * sw.store.slot_bytes,

@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,8 @@ logger = logging.getLogger("tierattn.swap")
 SWAP_TIER_KINDS = ("ddr", "cxl", "disk")
 #: default disk capacity, in KV pools: a disk tier is not allocated up front
 DISK_POOLS = 4
+#: decisions a log keeps, with their costs
+DECISIONS_KEPT = 10_000
 
 
 @dataclass(frozen=True)
@@ -356,7 +359,8 @@ class SwapLog:
     load_faults: int = 0
     stored_bytes: dict[str, int] = field(default_factory=dict)
     loaded_bytes: dict[str, int] = field(default_factory=dict)
-    decisions: list[Decision] = field(default_factory=list)
+    #: the most recent decisions (a server runs for days: older ones are only counted)
+    decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=DECISIONS_KEPT))
 
 
 class Swapper:
@@ -471,8 +475,8 @@ class Swapper:
 
     def resume(self, request_id: str, dst: Sequence[int]) -> bool:
         """Load a swapped request back into pool slots ``dst`` (see :meth:`SwapStore.load`).
-        False when the load failed: the fault is counted, its slots are released, and the
-        caller must recompute the request (and call :meth:`begin_recompute`)."""
+        False when the load failed: the fault is counted, its slots are released, its
+        decision now tracks a recompute, and the caller must prefill the request again."""
         d = self._swapped.pop(request_id)
         d.measured_load_s = None
         try:
@@ -480,16 +484,16 @@ class Swapper:
         except (KVIOError, KVFileError) as e:
             self.log.load_faults += 1
             d.reason += f"; load fault: {e}"
+            self.begin_recompute(request_id, d)
             return False
         self.log.swapped_in += 1
         for kind, n in loaded:
             self.log.loaded_bytes[kind] = self.log.loaded_bytes.get(kind, 0) + n
         return True
 
-    def begin_recompute(self, request_id: str, decision: Decision | None = None) -> None:
-        """``request_id`` will be prefilled again (its decision, or the last one logged)."""
-        d = decision or next(x for x in reversed(self.log.decisions)
-                             if x.request_id == request_id)
+    def begin_recompute(self, request_id: str, decision: Decision) -> None:
+        """``request_id`` will be prefilled again, as ``decision`` says."""
+        d = decision
         self.log.recomputed_requests += 1
         d.measured_recompute_s = 0.0
         self._recomputing[request_id] = d
@@ -537,8 +541,9 @@ class Swapper:
             self.store.watch.poll()
 
     def stats(self) -> dict:
-        """Counters, bytes per tier, every decision, and the cost model (predicted against
-        measured, summed per action over the decisions measured so far)."""
+        """Counters, bytes per tier, the decisions (the last :data:`DECISIONS_KEPT`), and the
+        cost model (predicted against measured, summed per action over the kept decisions
+        measured so far)."""
         self.poll()
         log = self.log
         check = {}
