@@ -169,13 +169,14 @@ class TieredOffloadingManager(OffloadingManager):
                   for name, a in cache.cache_allocators.items()} for s, n in starved]
         num_active = len(scheduler.active_requests)
         victims = []
-        while starved and num_active - len(victims) > 1:
-            if cache.count_storable_requests(needs) == len(starved):
-                break
-            i = self._cheapest(starved)
-            state, _ = starved.pop(i)
-            needs.pop(i)
-            victims.append((state, self._preempt(state)))
+        with self._stream_ctx():  # on CUDA, copies are ordered after the engine's forwards
+            while starved and num_active - len(victims) > 1:
+                if cache.count_storable_requests(needs) == len(starved):
+                    break
+                i = self._cheapest(starved)
+                state, _ = starved.pop(i)
+                needs.pop(i)
+                victims.append((state, self._preempt(state)))
         if not victims:
             return changed
         for state, decision in reversed(victims):  # requeued oldest first, as transformers does
@@ -220,7 +221,9 @@ class TieredOffloadingManager(OffloadingManager):
             new, k = a.block_table.get(rid, []), self._slots_per_block[name]
             for j in range(stored.get(name, 0)):
                 dst.extend(range(new[j] * k, (new[j] + 1) * k) if j < len(new) else [-1] * k)
-        if self.swapper.resume(rid, dst):
+        with self._stream_ctx():
+            loaded = self.swapper.resume(rid, dst)
+        if loaded:
             self._admitted.add(rid)
             return True
         self.cache.free_blocks(rid, no_cache=True)
