@@ -535,16 +535,16 @@ class Swapper:
             if done:
                 del self._recomputing[rid]
 
-    def poll(self) -> None:
-        """Fold in timings the device has finished (CUDA)."""
+    def poll(self, *, wait: bool = False) -> None:
+        """Fold in the timings the device has finished (CUDA; all of them with ``wait``)."""
         if self.store is not None:
-            self.store.watch.poll()
+            self.store.watch.poll(wait=wait)
 
     def stats(self) -> dict:
         """Counters, bytes per tier, the decisions (the last :data:`DECISIONS_KEPT`), and the
         cost model (predicted against measured, summed per action over the kept decisions
         measured so far)."""
-        self.poll()
+        self.poll(wait=True)
         log = self.log
         check = {}
         for action in ("swap", "recompute"):
