@@ -123,7 +123,7 @@ def _count_soft_resets():
 
 
 def _swap_config(policy: str, spec: ServingSpec, num_blocks: int, block_bytes: int,
-                 disk_dir: Path):
+                 disk_dir: Path, device: torch.device):
     from tierattn.config import TierSpec
     from tierattn.swapcore import SwapConfig
 
@@ -134,7 +134,11 @@ def _swap_config(policy: str, spec: ServingSpec, num_blocks: int, block_bytes: i
         ddr = max(1, int(spec.ddr_share * num_blocks))
         tiers = (TierSpec("ddr", capacity_gib=ddr * block_bytes / 2**30),
                  TierSpec("disk", path=str(disk_dir)))
-    return SwapConfig(tiers=tiers, policy=mode)
+    # On CPU tensors "auto" would run the page-copy kernel under the Triton interpreter when
+    # TRITON_INTERPRET is set (as in CI): a test harness, ~100x slower than the torch copy a
+    # CPU server runs, and it would skew the swap costs measured here.
+    backend = "auto" if device.type == "cuda" else "torch"
+    return SwapConfig(tiers=tiers, policy=mode, backend=backend)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -285,7 +289,7 @@ def run_serving(spec: ServingSpec = ServingSpec(), *, out_root: str | Path | Non
                         row = _run(model, prompts, new_tokens, spec, blocks)
                     else:
                         cfg = _swap_config(policy, spec, blocks, block_bytes,
-                                           Path(tmp) / policy)
+                                           Path(tmp) / policy, model.device)
                         with tierattn.swap(model, cfg) as handle:
                             row = _run(model, prompts, new_tokens, spec, blocks, handle)
                     row.update(prompt_tokens=length, pool=pool, policy=policy,
@@ -310,6 +314,8 @@ def run_serving(spec: ServingSpec = ServingSpec(), *, out_root: str | Path | Non
     result["targets"] = _targets(result)
     if out_root is not None:
         name = f"serving-smollm2-p{'_'.join(map(str, spec.prompt_lengths))}-r{spec.requests}"
+        if spec.new_tokens != ServingSpec.new_tokens:
+            name += f"-n{spec.new_tokens[0]}_{spec.new_tokens[1]}"
         out = new_results_dir(out_root, name)
         result["out"] = str(out)
         if calibration:
