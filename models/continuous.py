@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import warnings
 import weakref
@@ -464,10 +465,44 @@ def swap_every_model(config: SwapConfig | None = None):
         return manager
 
     ContinuousMixin.init_continuous_batching = init_continuous_batching
+    # transformers >= 5.25's `serve` runs each model's engine in a spawned process, which
+    # imports transformers afresh: its target is routed through _swapped_engine, which
+    # applies this block there too.
+    manager_module = _serve_model_manager()
+    spawned = getattr(manager_module, "run_until_parent_exits", None)
+    if spawned is not None:
+        manager_module.run_until_parent_exits = functools.partial(
+            _swapped_engine, config, logging.getLogger("tierattn.swap").getEffectiveLevel())
     try:
         yield handles
     finally:
         ContinuousMixin.init_continuous_batching = original
+        if spawned is not None:
+            manager_module.run_until_parent_exits = spawned
         for handle in handles:
             handle.undo()
+
+
+def _serve_model_manager():
+    """transformers serve's model-manager module, or None (no serving extras, or a release
+    whose engine runs in the serving process)."""
+    try:
+        from transformers.cli.serving import model_manager
+    except ImportError:
+        return None
+    return model_manager
+
+
+def _swapped_engine(config: SwapConfig, log_level: int, *args, **kwargs):
+    """The spawned engine process's target (picklable: module-level, config by value): runs
+    transformers' own target inside :func:`swap_every_model`, the decisions logged at the
+    parent's level."""
+    from transformers.cli.serving import model_manager
+
+    if log_level <= logging.INFO and not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("tierattn.swap").setLevel(log_level)
+    target = model_manager.run_until_parent_exits  # before the block routes it here again
+    with swap_every_model(config):
+        return target(*args, **kwargs)
 
