@@ -334,7 +334,7 @@ def swap_config(args: argparse.Namespace):
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from tierattn.models.continuous import swap_every_model
+    from tierattn.models.continuous import LOG_FORMAT, swap_every_model
 
     from transformers.utils import is_serve_available
 
@@ -345,7 +345,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                          "'transformers[serving]'")
     from transformers.cli.transformers import app
 
-    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(format=LOG_FORMAT)
     logging.getLogger("tierattn.swap").setLevel(logging.INFO)
     with swap_every_model(config):
         app(["serve", *extra], prog_name="tierattn serve")

@@ -45,6 +45,10 @@ __all__ = ["SUPPORTED", "SwapHandle", "TieredOffloadingManager", "swap", "swap_e
 SUPPORTED = ((5, 21), (5, 22), (5, 23), (5, 24), (5, 25))
 
 
+#: How ``tierattn serve`` prints the swap decisions (the ``tierattn.swap`` logger).
+LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
+
+
 def check_transformers(version: str | None = None) -> None:
     """Raise :class:`UnsupportedEngineError` unless transformers is a :data:`SUPPORTED`
     release."""
@@ -444,8 +448,10 @@ def swap(model, config: SwapConfig | None = None) -> SwapHandle:
 def swap_every_model(config: SwapConfig | None = None):
     """:func:`swap` for every model that starts continuous batching inside the block -- the
     models ``transformers serve`` loads itself (``tierattn serve``). transformers'
-    ``ContinuousMixin.init_continuous_batching`` is wrapped for the block's duration; yields
-    the list of handles made so far (one per model), which are undone at the end."""
+    ``ContinuousMixin.init_continuous_batching`` is wrapped for the block's duration, and the
+    target of the engine process ``serve`` spawns (transformers >= 5.25) so the wrap is made
+    there too; yields the list of handles made so far in this process (one per model), which
+    are undone at the end."""
     check_transformers()
     from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
 
@@ -500,7 +506,7 @@ def _swapped_engine(config: SwapConfig, log_level: int, *args, **kwargs):
     from transformers.cli.serving import model_manager
 
     if log_level <= logging.INFO and not logging.getLogger().handlers:
-        logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+        logging.basicConfig(format=LOG_FORMAT)
     logging.getLogger("tierattn.swap").setLevel(log_level)
     target = model_manager.run_until_parent_exits  # before the block routes it here again
     with swap_every_model(config):
