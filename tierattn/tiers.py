@@ -21,6 +21,7 @@ import gc
 import math
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -154,14 +155,21 @@ class MemoryTier(Tier):
         self.pools = pool.pin_memory() if self.pinned else pool
 
     @classmethod
-    def over(cls, kind: str, pools: torch.Tensor) -> MemoryTier:
-        """A tier over ``pools [num_layers, capacity, *page_shape]`` that someone else
-        allocated and owns (a serving engine's KV cache viewed as pages): nothing is allocated
-        or poisoned, and which slots are in use is the owner's business."""
+    def over(cls, kind: str, pools: torch.Tensor | Sequence[torch.Tensor]) -> MemoryTier:
+        """A tier over ``pools [num_layers, capacity, *page_shape]`` (or a list of per-layer
+        ``[capacity, *page_shape]`` tensors, when the layers are separate allocations) that
+        someone else allocated and owns (a serving engine's KV cache viewed as pages): nothing
+        is allocated or poisoned, and which slots are in use is the owner's business."""
+        first = pools if isinstance(pools, torch.Tensor) else pools[0]
+        if not isinstance(pools, torch.Tensor):
+            first = first.unsqueeze(0)
+            if any(p.shape != first.shape[1:] or p.dtype != first.dtype for p in pools):
+                raise TierConfigError(f"MemoryTier.over: the {kind} layers' pools differ in "
+                                      "shape or dtype; give pools of one page geometry.")
         tier = cls.__new__(cls)
-        Tier.__init__(tier, kind, pools.shape[0], pools.shape[1], tuple(pools.shape[2:]),
-                      pools.dtype)
-        tier.device, tier.pinned, tier.pools = pools.device, pools.is_pinned(), pools
+        Tier.__init__(tier, kind, len(pools), first.shape[1], tuple(first.shape[2:]),
+                      first.dtype)
+        tier.device, tier.pinned, tier.pools = first.device, first.is_pinned(), pools
         return tier
 
     def pool(self, layer: int) -> torch.Tensor:

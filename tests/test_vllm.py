@@ -1,0 +1,549 @@
+"""tierattn's tiers under vLLM (models/vllm_offload.py), on vLLM's CPU platform.
+
+Engine tests: tiny random llama and qwen3 models (head_dim 32, fp32) in vLLM with a KV cache of
+seven 128-token blocks, four requests of 200..221 prompt tokens and 64 greedy tokens each, so
+requests preempt one another. Every engine runs in-process, one after another, inside a
+module-scoped fixture (before the function-scoped fixtures of conftest.py), and gives back what
+it did: per round the tokens, ``num_cached_tokens`` and a ``get_metrics()`` snapshot. Every run
+is compared token for token with vLLM without the connector on the same tight cache.
+
+Unit tests: ``vllm_kv_transfer_config``'s checks, :class:`TieredBlockManager`'s slots, LRU,
+faults and cost decisions, and :class:`TieredBlockWorker`'s copies and faults over a
+hand-made KV cache (no engine).
+
+CI runs this file alone in a venv with vLLM (``.venv-vllm``); without vLLM it is skipped.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process
+vllm = pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches,  # noqa: E402
+                                     CanonicalKVCacheTensor, GPULoadStoreSpec, LookupResult,
+                                     ReqContext, make_offload_key)
+from vllm_helpers import (BLOCK_BYTES, corrupt_files, delete_files, disk_files,  # noqa: E402
+                          run_engine, save_tiny_models)
+
+from tierattn.config import TierSpec  # noqa: E402
+from tierattn.costmodel import attention_work  # noqa: E402
+from tierattn.errors import TierConfigError  # noqa: E402
+from tierattn.models import vllm_offload as vo  # noqa: E402
+from tierattn.swapcore import SwapConfig  # noqa: E402
+
+engine = pytest.mark.skipif(
+    not any(vllm.__version__ == v or vllm.__version__.startswith(v + ".") for v in vo.SUPPORTED),
+    reason=f"vLLM {vllm.__version__} is not a release the connector supports {vo.SUPPORTED}")
+
+#: engines compared with vLLM: name -> (family, policy, DDR of 2 blocks over a disk tier, rounds)
+ENGINES = {
+    # rounds: 0 stores (DDR full -> disk), 1 loads from both tiers, then every page file is
+    # corrupted; 2 loads fail (recomputed); 3 stores the dropped chunks again, then every
+    # page file is deleted; 4 loads fail again
+    "llama-swap-disk": ("llama", "swap", True, 5),
+    "llama-auto": ("llama", "auto", False, 2),
+    "qwen3-swap": ("qwen3", "swap", False, 2),
+    "qwen3-auto-disk": ("qwen3", "auto", True, 2),
+    "qwen3-recompute": ("qwen3", "recompute", False, 2),
+}
+CORRUPTED_AFTER, DELETED_AFTER = 1, 3  # rounds of llama-swap-disk
+
+
+# --- engines ----------------------------------------------------------------------------------
+
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    return save_tiny_models(tmp_path_factory.mktemp("vllm-models"))
+
+
+@pytest.fixture(scope="module")
+def _runs() -> dict:
+    """Every engine's Run by name, each engine built once in this module."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def reference(request, models, _runs):
+    """vLLM without the connector (its recompute on preemption), on the same tight cache."""
+    family = request.param
+    if family not in _runs:
+        ref = run_engine(f"{family}-vllm", models[family])
+        # the premise: vLLM's greedy tokens do not depend on the round
+        assert ref.tokens[1] == ref.tokens[0], f"{family}: vLLM alone is not deterministic"
+        _runs[family] = ref
+    return _runs[family]
+
+
+@pytest.fixture(scope="module")
+def run(request, models, _runs, tmp_path_factory):
+    """One engine of :data:`ENGINES` with tierattn's connector."""
+    name = request.param
+    if name in _runs:
+        return _runs[name]
+    family, policy, disk, rounds = ENGINES[name]
+    folder = tmp_path_factory.mktemp(f"{name}-pages")
+    tiers = (TierSpec("ddr", capacity_pages=2), TierSpec("disk", path=str(folder))) if disk \
+        else ("ddr",)
+    config = vo.vllm_kv_transfer_config(tiers, policy=policy)
+    json.dumps(config)  # what `vllm serve --kv-transfer-config` would get
+
+    def between(r, run):
+        run.notes[f"files_after_{r}"] = len(disk_files(folder))
+        if name == "llama-swap-disk" and r == CORRUPTED_AFTER:
+            run.notes["corrupted"] = corrupt_files(folder)
+        if name == "llama-swap-disk" and r == DELETED_AFTER:
+            run.notes["deleted"] = delete_files(folder)
+
+    out = run_engine(name, models[family], config, rounds=rounds, between=between)
+    out.notes["tiers"] = [t if isinstance(t, str) else t.kind for t in tiers]
+    out.notes["files_after_shutdown"] = len(disk_files(folder))
+    _runs[name] = out
+    return out
+
+
+def _engine_params(*names: str) -> list:
+    return [pytest.param(n, ENGINES[n][0], id=n) for n in names]
+
+
+def _loaded(run, *, round: int) -> dict[str, float]:
+    return {t: run.delta("tierattn_loaded_chunks", t, round=round) for t in run.notes["tiers"]}
+
+
+@engine
+@pytest.mark.parametrize("run, reference", _engine_params(*ENGINES), indirect=True)
+def test_tokens_identical_to_vllm_under_preemption(run, reference):
+    """Greedy tokens of every round equal vLLM's own, with requests preempted."""
+    assert run.value("num_preemptions", after=0) > 0, "the cache is not tight: no preemption"
+    assert reference.value("num_preemptions", after=0) > 0
+    for r, tokens in enumerate(run.tokens):
+        for i, (got, want) in enumerate(zip(tokens, reference.tokens[0], strict=True)):
+            assert got == want, f"round {r}, request {i}: tokens differ from vLLM's"
+    if ENGINES[run.name][1] != "recompute":
+        assert sum(run.value("tierattn_stored_chunks", t) for t in run.notes["tiers"]) > 0
+
+
+@engine
+@pytest.mark.parametrize("run, reference", _engine_params("qwen3-swap", "llama-swap-disk"),
+                         indirect=True)
+def test_a_second_round_loads_from_the_tiers(run, reference):
+    """The same prompts again: their first blocks come back from the tiers (vLLM alone, whose
+    small cache lost them, computes them again)."""
+    loaded = _loaded(run, round=1)
+    assert sum(loaded.values()) > 0, loaded
+    for tier, chunks in loaded.items():
+        assert run.delta("tierattn_loaded_bytes", tier, round=1) == chunks * BLOCK_BYTES
+    assert run.delta("external_prefix_cache_hits", round=1) > 0
+    assert any(c > 0 for c in run.cached[1]), run.cached
+    assert sum(run.cached[1]) > sum(reference.cached[1]), (run.cached, reference.cached)
+    assert run.value("tierattn_load_faults", after=1) == 0
+    assert run.value("tierattn_store_faults") == 0
+
+
+@engine
+@pytest.mark.parametrize("run, reference", _engine_params("llama-swap-disk", "qwen3-auto-disk"),
+                         indirect=True)
+def test_a_full_ddr_tier_spills_to_disk(run, reference):
+    """DDR holds two blocks: the rest goes to disk as page files, which shutdown removes."""
+    assert run.value("tierattn_stored_chunks", "ddr", after=0) == 2
+    assert run.value("tierattn_used_slots", "ddr", after=0) == 2
+    stored = run.value("tierattn_stored_chunks", "disk", after=0)
+    assert stored > 0
+    assert run.value("tierattn_stored_bytes", "disk", after=0) == stored * BLOCK_BYTES
+    assert run.notes["files_after_0"] >= 2 * stored  # a file per layer and block
+    assert run.notes["files_after_shutdown"] == 0, "the engine left page files behind"
+
+
+@engine
+@pytest.mark.parametrize("run, reference", _engine_params("llama-swap-disk"), indirect=True)
+def test_swap_loads_from_disk(run, reference):
+    loaded = _loaded(run, round=1)
+    assert loaded["disk"] > 0, loaded
+    assert run.delta("tierattn_loaded_bytes", "disk", round=1) == loaded["disk"] * BLOCK_BYTES
+    assert run.tokens[1] == reference.tokens[0]
+
+
+@engine
+@pytest.mark.parametrize("run, reference", _engine_params("llama-swap-disk"), indirect=True)
+@pytest.mark.parametrize("fault, round", [("corrupted", CORRUPTED_AFTER + 1),
+                                          ("deleted", DELETED_AFTER + 1)])
+def test_a_disk_fault_is_recomputed_never_a_wrong_token(run, reference, fault, round):
+    """Page files corrupted (checksum) or deleted between rounds: the loads fail, the requests
+    are prefilled again, and the tokens stay vLLM's."""
+    assert run.notes[fault] > 0, run.notes
+    assert run.value("tierattn_load_faults", after=CORRUPTED_AFTER) == 0  # before any fault
+    assert run.delta("tierattn_load_faults", round=round) >= 1
+    assert run.tokens[round] == reference.tokens[0]
+    assert run.value("tierattn_store_faults") == 0
+
+
+@engine
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine: vLLM's CUDA platform")
+@pytest.mark.parametrize("run, reference", _engine_params("qwen3-swap"), indirect=True)
+def test_the_cpu_platform_runs_the_connector(run, reference):
+    assert current_platform.is_cpu()
+    assert run.value("tierattn_stored_chunks", "ddr") > 0
+    assert run.value("tierattn_loaded_chunks", "ddr") > 0
+    assert run.tokens == [reference.tokens[0]] * len(run.tokens)
+
+
+@engine
+@pytest.mark.parametrize("run, reference", _engine_params("qwen3-recompute"), indirect=True)
+def test_policy_recompute_stores_nothing(run, reference):
+    for name in ("stored_chunks", "loaded_chunks", "stored_bytes", "loaded_bytes"):
+        assert run.value("tierattn_" + name, "ddr") == 0, name
+    assert run.value("tierattn_used_slots", "ddr") == 0
+    assert run.value("external_prefix_cache_hits") == 0
+    assert run.cached == reference.cached
+    assert run.tokens == [reference.tokens[0]] * len(run.tokens)
+
+
+# --- vllm_kv_transfer_config ------------------------------------------------------------------
+
+
+def test_the_config_names_the_connector_and_is_json(tmp_path):
+    calibration = tmp_path / "cal.json"
+    calibration.write_text("{}")
+    config = vo.vllm_kv_transfer_config(
+        ("ddr", TierSpec("cxl", capacity_gib=0.5), TierSpec("disk", path=str(tmp_path))),
+        "swap", calibration=calibration, prompt_only=True, block_size=256, backend="torch")
+    assert json.loads(json.dumps(config)) == config
+    assert config["kv_connector"] == "TierattnOffloadingConnector"
+    assert config["kv_connector_module_path"] == "tierattn.models.vllm_offload"
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert config["kv_role"] == "kv_both"
+    extra = config["kv_connector_extra_config"]
+    assert extra["tiers"] == [{"kind": "ddr"}, {"kind": "cxl", "capacity_gib": 0.5},
+                              {"kind": "disk", "path": str(tmp_path)}]
+    assert (extra["policy"], extra["backend"], extra["block_size"]) == ("swap", "torch", 256)
+    assert extra["offload_prompt_only"] is True
+    assert extra["calibration"] == str(calibration.resolve())
+    # what vLLM loads by name
+    module = importlib.import_module(config["kv_connector_module_path"])
+    assert getattr(module, config["kv_connector"]) is vo.TierattnOffloadingConnector
+    assert getattr(importlib.import_module(extra["spec_module_path"]),
+                   extra["spec_name"]) is vo.TierattnOffloadingSpec
+    # the defaults: one DDR tier, auto, the generated blocks kept too
+    default = vo.vllm_kv_transfer_config()["kv_connector_extra_config"]
+    assert (default["tiers"], default["policy"]) == ([{"kind": "ddr"}], "auto")
+    assert default["offload_prompt_only"] is False
+    assert "block_size" not in default and "calibration" not in default
+
+
+def test_the_config_is_json_with_a_path_object(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative folder is made absolute: engines may start elsewhere
+    config = vo.vllm_kv_transfer_config(("ddr", TierSpec("disk", path=Path("kv"))))
+    assert json.loads(json.dumps(config))["kv_connector_extra_config"]["tiers"][1] == \
+        {"kind": "disk", "path": str((tmp_path / "kv").resolve())}
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"policy": "sometimes"},
+    {"tiers": ("disk",)},  # a disk tier without path
+    {"tiers": ()},
+    {"tiers": ("disk", "ddr")},
+    {"tiers": ("hbm",)},
+    {"block_size": 0},
+    {"block_size": -128},
+    {"block_size": True},
+    {"block_size": 128.0},
+    {"block_size": "128"},
+    {"calibration": "/nonexistent/calibration.json"},
+    {"backend": "cuda"},
+], ids=lambda k: "-".join(f"{a}={b!r}" for a, b in k.items()))
+def test_a_bad_config_is_refused(kwargs):
+    with pytest.raises(TierConfigError):
+        vo.vllm_kv_transfer_config(**kwargs)
+
+
+# --- TieredBlockManager -----------------------------------------------------------------------
+
+
+def key(i: int):
+    return make_offload_key(bytes([i]) * 32, 0)
+
+
+def manager(tmp_path, policy: str = "swap") -> vo.TieredBlockManager:
+    """DDR of 2 slots over a disk of 4, one block (128 tokens, 1 KiB) per chunk."""
+    config = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=2),
+                               TierSpec("disk", path=str(tmp_path))), policy=policy)
+    return vo.TieredBlockManager(config, [2, 4], blocks_per_chunk=1, tokens_per_chunk=128,
+                                 chunk_bytes=1024)
+
+
+def store(m, keys, ctx):
+    out = m.prepare_store(keys, ctx)
+    m.complete_store(out.keys_to_store, ctx)
+    return out
+
+
+def test_manager_fills_ddr_then_spills_to_disk(tmp_path):
+    m, ctx = manager(tmp_path), ReqContext("r")
+    out = m.prepare_store([key(i) for i in range(3)], ctx)
+    assert out.keys_to_store == [key(0), key(1), key(2)] and out.evicted_keys == []
+    assert [tier for tier, _ in out.store_spec.parts] == [1, 1, 2]
+    assert all(len(slots) == 1 for _, slots in out.store_spec.parts)
+    assert len({slots for tier, slots in out.store_spec.parts if tier == 1}) == 2
+    assert m.lookup(key(0), ctx) is LookupResult.HIT_PENDING  # stored once complete_store says
+    assert m.lookup(key(9), ctx) is LookupResult.MISS
+    m.complete_store(out.keys_to_store, ctx)
+    assert all(m.lookup(key(i), ctx) is LookupResult.HIT for i in range(3))
+    assert m.stats.stored_chunks == {"ddr": 2, "disk": 1}
+    assert m.stats.stored_bytes == {"ddr": 2048, "disk": 1024}
+    assert m.used_slots() == {"ddr": 2, "disk": 1}
+    # storing a stored key again is a no-op
+    again = m.prepare_store([key(2), key(3)], ctx)
+    assert again.keys_to_store == [key(3)]
+    assert [tier for tier, _ in again.store_spec.parts] == [2]
+    # a load names each key's tier and slots
+    m.complete_store(again.keys_to_store, ctx)
+    spec = m.prepare_load([key(0), key(2)], ctx)
+    assert [tier for tier, _ in spec.parts] == [1, 2]
+    m.complete_load([key(0), key(2)], ctx)
+    assert m.stats.loaded_chunks == {"ddr": 1, "disk": 1}
+    assert m.stats.loaded_bytes == {"ddr": 1024, "disk": 1024}
+
+
+def test_manager_evicts_the_least_recently_used_chunk(tmp_path):
+    m, ctx = manager(tmp_path), ReqContext("r")
+    store(m, [key(i) for i in range(6)], ctx)  # DDR: 0, 1; disk: 2..5: all full
+    assert m.used_slots() == {"ddr": 2, "disk": 4}
+    m.prepare_load([key(0)], ctx)  # key 0 is used again: key 1 is now the oldest
+    m.complete_load([key(0)], ctx)
+    out = m.prepare_store([key(6)], ctx)
+    assert out.keys_to_store == [key(6)] and out.evicted_keys == [key(1)]
+    assert [tier for tier, _ in out.store_spec.parts] == [1]  # key 1's DDR slot
+    assert m.stats.evicted_chunks == 1
+    assert m.lookup(key(1), ctx) is LookupResult.MISS
+    assert m.lookup(key(0), ctx) is LookupResult.HIT
+    # next in line: key 2 (disk), then key 3
+    m.complete_store(out.keys_to_store, ctx)
+    out = m.prepare_store([key(7), key(8)], ctx)
+    assert out.evicted_keys == [key(2), key(3)]
+    assert [tier for tier, _ in out.store_spec.parts] == [2, 2]
+    assert m.stats.evicted_chunks == 3
+
+
+def test_manager_refuses_a_store_when_every_chunk_is_busy(tmp_path):
+    m, ctx = manager(tmp_path), ReqContext("r")
+    keys = [key(i) for i in range(6)]
+    store(m, keys[:5], ctx)
+    m.prepare_store(keys[5:], ctx)  # a store in flight is not evictable either
+    m.prepare_load(keys[:5], ctx)
+    assert m.prepare_store([key(6)], ctx) is None
+    assert m.stats.no_room == 1 and m.stats.evicted_chunks == 0
+    assert all(m.lookup(k, ctx) is LookupResult.HIT for k in keys[:5])
+    m.complete_load(keys[:5], ctx)
+    assert m.prepare_store([key(6)], ctx).evicted_keys == [key(0)]
+
+
+def test_manager_drops_failed_transfers(tmp_path):
+    m, ctx = manager(tmp_path), ReqContext("r")
+    out = m.prepare_store([key(0), key(1)], ctx)
+    m.mark_failed([key(0)])  # the workers reported the store of key 0 failed
+    m.complete_store(out.keys_to_store, ctx)
+    assert m.lookup(key(0), ctx) is LookupResult.MISS
+    assert m.lookup(key(1), ctx) is LookupResult.HIT
+    assert m.stats.store_faults == 1 and m.stats.stored_chunks == {"ddr": 1}
+    assert m.used_slots() == {"ddr": 1, "disk": 0}
+    # complete_store(success=False) drops as well
+    out = m.prepare_store([key(2)], ctx)
+    m.complete_store(out.keys_to_store, ctx, success=False)
+    assert m.lookup(key(2), ctx) is LookupResult.MISS and m.stats.store_faults == 2
+    # a failed load: a miss at once, dropped once its last reader completes
+    m.prepare_load([key(1)], ctx)
+    m.prepare_load([key(1)], ctx)
+    m.mark_failed([key(1)])
+    assert m.lookup(key(1), ctx) is LookupResult.MISS
+    m.complete_load([key(1)], ctx)
+    assert m.stats.load_faults == 1 and m.used_slots()["ddr"] == 1
+    m.complete_load([key(1)], ctx)
+    assert m.stats.load_faults == 2 and m.used_slots() == {"ddr": 0, "disk": 0}
+    assert m.stats.loaded_chunks == {}
+    assert m.lookup(key(1), ctx) is LookupResult.MISS
+    # the freed slots take new chunks: DDR first again
+    out = m.prepare_store([key(3), key(4)], ctx)
+    assert [tier for tier, _ in out.store_spec.parts] == [1, 1]
+
+
+def test_policy_recompute_stores_nothing_in_the_manager(tmp_path):
+    m, ctx = manager(tmp_path, "recompute"), ReqContext("r")
+    out = m.prepare_store([key(0)], ctx)
+    assert out.keys_to_store == [] and out.evicted_keys == []
+    m.complete_store(out.keys_to_store, ctx)
+    assert m.lookup(key(0), ctx) is LookupResult.MISS
+    assert m.used_slots() == {"ddr": 0, "disk": 0}
+
+
+def _slow_disk_fast_prefill(m: vo.TieredBlockManager) -> None:
+    """Disk loads of a chunk take 2.5 ms; a prefill costs 10 us a token plus 10 ns a query-key
+    pair (batches of 64..512 tokens after 0..1024 cached ones)."""
+    for _ in range(3):
+        m.costs.observe_transfer("disk", "load", m.chunk_bytes, 2.5e-3)
+    for q in (64, 128, 256, 512):
+        for past in (0, 256, 1024):
+            m.costs.observe_batch(q, q + past, attention_work(q, past),
+                                  1e-5 * q + 1e-8 * attention_work(q, past))
+
+
+def test_auto_declines_a_load_slower_than_recomputing(tmp_path):
+    m, ctx = manager(tmp_path, "auto"), ReqContext("r")
+    store(m, [key(i) for i in range(3)], ctx)  # 0, 1 in DDR; 2 on disk
+    # nothing measured yet: the tiers are tried
+    assert m.lookup(key(2), ctx) is LookupResult.HIT
+    _slow_disk_fast_prefill(m)
+    # a first block: 1.4 ms to prefill again against 2.5 ms to load
+    assert m.costs.marginal_s(128, 0) < m.costs.transfer_s("disk", "load", 1024)
+    assert m.lookup(key(2), ctx) is LookupResult.MISS
+    assert m.stats.declined_chunks == 1
+    # DDR loads are not measured: tried
+    assert m.lookup(key(0), ctx) is LookupResult.HIT
+    # the 16th block of a request: its attention over 1920 cached tokens makes recomputing it
+    # slower (3.8 ms) than loading it
+    ctx.set_offload_key_position(key(2), 16 * 128)
+    assert m.lookup(key(2), ctx) is LookupResult.HIT
+    assert m.stats.declined_chunks == 1
+    # "swap" loads whatever the costs
+    s = manager(tmp_path / "swap", "swap")
+    store(s, [key(i) for i in range(3)], ctx)
+    _slow_disk_fast_prefill(s)
+    assert s.lookup(key(2), ReqContext("q")) is LookupResult.HIT
+    assert s.stats.declined_chunks == 0
+
+
+def test_manager_reports_metric_deltas(tmp_path):
+    m, ctx = manager(tmp_path), ReqContext("r")
+    defs = vo.TierattnOffloadingSpec.build_metric_definitions({})
+    store(m, [key(i) for i in range(3)], ctx)
+    m.prepare_load([key(2)], ctx)
+    m.complete_load([key(2)], ctx)
+    data = m.get_stats().data["data"]
+    assert set(data) <= set(defs)
+    assert data["vllm:tierattn_stored_chunks"] == {("ddr",): 2, ("disk",): 1}
+    assert data["vllm:tierattn_stored_bytes"] == {("ddr",): 2048, ("disk",): 1024}
+    assert data["vllm:tierattn_loaded_chunks"] == {("disk",): 1}
+    assert data["vllm:tierattn_used_slots"] == {("ddr",): 2, ("disk",): 1}
+    # counters report what changed since the last report; gauges every time
+    store(m, [key(3)], ctx)
+    data = m.get_stats().data["data"]
+    assert data["vllm:tierattn_stored_chunks"] == {("disk",): 1}
+    assert "vllm:tierattn_loaded_chunks" not in data
+    assert data["vllm:tierattn_used_slots"] == {("ddr",): 2, ("disk",): 2}
+    assert json.dumps(m.summary())
+
+
+# --- TieredBlockWorker ------------------------------------------------------------------------
+
+T, WIDTH, LAYERS, BLOCKS = 4, 8, 2, 8  # tokens per block, K/V row width, layers, engine blocks
+PAGE_BYTES = 2 * T * WIDTH * 4  # fp32
+
+
+def kv_caches() -> CanonicalKVCaches:
+    """An engine's KV cache as vLLM hands it to a worker: per layer ``(blocks, page bytes)``
+    int8, here random fp32 values."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [CanonicalKVCacheTensor(torch.randn(BLOCKS, PAGE_BYTES // 4, generator=gen)
+                                      .view(torch.int8), PAGE_BYTES) for _ in range(LAYERS)]
+    refs = [[CanonicalKVCacheRef(i, PAGE_BYTES) for i in range(LAYERS)]]
+    return CanonicalKVCaches(tensors, refs)
+
+
+def worker(tmp_path, kv, *, bpc: int = 1) -> vo.TieredBlockWorker:
+    config = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=2),
+                               TierSpec("disk", path=str(tmp_path))), policy="swap")
+    return vo.TieredBlockWorker(kv, config, [2, 4], tokens_per_block=T, blocks_per_chunk=bpc,
+                                dtype=torch.float32, fingerprint="test")
+
+
+def blocks(kv, ids) -> list[torch.Tensor]:
+    return [t.tensor[ids].clone() for t in kv.tensors]
+
+
+def test_worker_stores_and_loads_blocks_bitwise(tmp_path):
+    kv = kv_caches()
+    w = worker(tmp_path, kv)
+    want = blocks(kv, [1, 2, 3])
+    # blocks 1, 2 -> DDR slots 1, 0; block 3 -> disk slot 2
+    assert w.submit_store(1, GPULoadStoreSpec([1, 2, 3], [3], [0]),
+                          vo.TierLoadStoreSpec([(1, (1,)), (1, (0,)), (2, (2,))]))
+    done = w.get_finished()
+    assert [(r.job_id, r.success, r.transfer_size) for r in done] == \
+        [(1, True, 3 * LAYERS * PAGE_BYTES)]
+    assert not w.failed_jobs
+    assert sorted((k, d) for k, d, *_ in w.transfers) == [("ddr", "store"), ("disk", "store")]
+    assert len(disk_files(tmp_path)) == LAYERS  # one file per layer
+    for layer in range(LAYERS):  # the slots the manager chose hold the blocks
+        ddr = w.tiers[1].pool(layer).reshape(2, -1)
+        assert torch.equal(ddr[1].view(torch.int8), want[layer][0])
+        assert torch.equal(ddr[0].view(torch.int8), want[layer][1])
+    for t in kv.tensors:
+        t.tensor[4:7] = 0
+    assert w.submit_load(2, vo.TierLoadStoreSpec([(1, (1,)), (1, (0,)), (2, (2,))]),
+                         GPULoadStoreSpec([6, 4, 5], [3], [0]))
+    assert [r.job_id for r in w.get_finished()] == [2]
+    got = blocks(kv, [6, 4, 5])
+    for layer in range(LAYERS):
+        assert torch.equal(got[layer], want[layer]), layer
+    w.shutdown()
+    assert not (tmp_path / "test").exists()
+
+
+@pytest.mark.parametrize("fault", ["corrupted", "deleted"])
+def test_worker_reports_a_failed_disk_load(tmp_path, fault):
+    kv = kv_caches()
+    w = worker(tmp_path, kv)
+    w.submit_store(1, GPULoadStoreSpec([3], [1], [2]), vo.TierLoadStoreSpec([(2, (0,))]))
+    w.get_finished()
+    n = corrupt_files(tmp_path) if fault == "corrupted" else delete_files(tmp_path)
+    assert n == LAYERS
+    assert w.submit_load(2, vo.TierLoadStoreSpec([(2, (0,))]), GPULoadStoreSpec([5], [1], [2]))
+    result, = w.get_finished()
+    assert result.job_id == 2 and result.transfer_size is None
+    assert w.failed_jobs == {2} and w.failed_loads == {2}
+
+
+def test_worker_reports_a_failed_store_and_leaves_no_file(tmp_path, monkeypatch):
+    kv = kv_caches()
+    w = worker(tmp_path, kv)
+    disk, real = w.tiers[2], w.tiers[2].write
+
+    def write(layer, *args, **kwargs):  # the last layer's page does not fit on the disk
+        if layer == LAYERS - 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(layer, *args, **kwargs)
+
+    monkeypatch.setattr(disk, "write", write)
+    assert w.submit_store(1, GPULoadStoreSpec([1, 2], [2], [0]),
+                          vo.TierLoadStoreSpec([(1, (0,)), (2, (0,))]))
+    result, = w.get_finished()
+    assert result.job_id == 1 and result.transfer_size is None
+    assert w.failed_jobs == {1}
+    assert disk_files(tmp_path) == []  # the first layer's file is gone too
+
+
+def test_worker_loads_from_inside_a_chunk(tmp_path):
+    """Chunks of two blocks; a load starting at a request's block 1 reads the chunk's second
+    slot (vLLM's block_indices)."""
+    kv = kv_caches()
+    w = worker(tmp_path, kv, bpc=2)
+    want = blocks(kv, [2, 3])
+    w.submit_store(1, GPULoadStoreSpec([1, 2], [2], [0]), vo.TierLoadStoreSpec([(1, (0, 1))]))
+    w.submit_store(2, GPULoadStoreSpec([3, 4], [2], [2]), vo.TierLoadStoreSpec([(2, (0, 1))]))
+    assert [r.job_id for r in w.get_finished()] == [1, 2]
+    assert w.submit_load(3, vo.TierLoadStoreSpec([(1, (0, 1)), (2, (0, 1))]),
+                         GPULoadStoreSpec([6, 7], [2], [1]))
+    assert [r.job_id for r in w.get_finished()] == [3] and not w.failed_jobs
+    got = blocks(kv, [6, 7])
+    for layer in range(LAYERS):
+        assert torch.equal(got[layer], want[layer]), layer
