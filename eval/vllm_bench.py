@@ -48,8 +48,8 @@ class VllmBenchSpec:
     """What :func:`run_vllm_bench` measures (the defaults are the committed run)."""
 
     requests: int = 16
-    prompt_tokens: int = 512
-    new_tokens: int = 64
+    prompt_tokens: int = 256
+    new_tokens: int = 256
     kv_share: float = 0.5
     histories: tuple[int, ...] = (1024, 2048)
     conversations: int = 4
@@ -60,12 +60,13 @@ class VllmBenchSpec:
     small_ddr_gib: float = 0.125
     disk_gib: float = 4.0
     block_size: int = 128
+    repeats: int = 2
     seed: int = 0
 
     @classmethod
     def smoke(cls) -> VllmBenchSpec:
         return cls(requests=6, prompt_tokens=256, new_tokens=16, histories=(512,),
-                   conversations=2, answer_tokens=8, followup_tokens=16)
+                   conversations=2, answer_tokens=8, followup_tokens=16, repeats=1)
 
     def kv_tokens(self) -> int:
         """Tokens the KV cache holds: ``kv_share`` of workload (a)'s, in whole blocks, at least
@@ -169,6 +170,19 @@ def _one_policy(policy: str, spec: VllmBenchSpec, model: Path, work: dict, disk:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    # the tokens each step computes (vLLM's own counters count a prompt once, however often a
+    # preempted request prefills it again); the engine runs in this process
+    scheduled = [0]
+    real_schedule = Scheduler.schedule
+
+    def schedule(self, *args, **kwargs):
+        out = real_schedule(self, *args, **kwargs)
+        scheduled[0] += out.total_num_scheduled_tokens
+        return out
+
+    Scheduler.schedule = schedule
 
     t0 = time.perf_counter()
     llm = LLM(model=str(model), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
@@ -186,20 +200,21 @@ def _one_policy(policy: str, spec: VllmBenchSpec, model: Path, work: dict, disk:
 
     out: dict = {"policy": policy, "engine_s": engine_s}
     # (a) the preemption-heavy batch
-    before = _metrics(llm)
+    before, computed = _metrics(llm), scheduled[0]
     t0 = time.perf_counter()
     res = run(work["batch"], spec.new_tokens)
     wall = time.perf_counter() - t0
     m = _delta(_metrics(llm), before)
     ttft = [r.metrics.first_token_latency for r in res if r.metrics is not None]
     gen = sum(len(r.outputs[0].token_ids) for r in res)
-    computed = m.get("vllm:iteration_tokens_total.sum", 0)
-    loaded = m.get("vllm:prompt_tokens_by_source[external_kv_transfer]", 0)
+    # a request computes its prompt, then one token per step for all but its first new token
+    computed = scheduled[0] - computed
+    first_pass = sum(map(len, work["batch"])) + gen - len(res)
     out["batch"] = {
         "wall_s": wall, "generated": gen, "tok_per_s": gen / wall,
         "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
         "preemptions": m.get("vllm:num_preemptions", 0),
-        "recomputed_tokens": max(0, computed - sum(map(len, work["batch"])) - gen + loaded),
+        "computed_tokens": computed, "recomputed_tokens": computed - first_pass,
         "tokens": [list(r.outputs[0].token_ids) for r in res], "metrics": m}
     # (b) returning conversations
     convs = []
@@ -244,8 +259,9 @@ def run_vllm_bench(spec: VllmBenchSpec, *, out_root: str | Path = "eval/results"
     runs = []
     with tempfile.TemporaryDirectory(prefix="tierattn-vllm-") as tmp:
         (Path(tmp) / "work.json").write_text(json.dumps(work))
-        for policy in tqdm(spec.policies, desc="vllm bench", unit="policy"):
-            dst = Path(tmp) / f"{policy}.json"
+        todo = [(p, k) for k in range(spec.repeats) for p in spec.policies]
+        for policy, k in tqdm(todo, desc="vllm bench", unit="run"):
+            dst = Path(tmp) / f"{policy}-{k}.json"
             cmd = [sys.executable, "-m", "tierattn.eval.vllm_bench", "--one", policy,
                    "--spec", json.dumps(dataclasses.asdict(spec)), "--model", str(model),
                    "--work", str(Path(tmp) / "work.json"), "--disk", str(Path(tmp) / "disk"),
@@ -253,7 +269,7 @@ def run_vllm_bench(spec: VllmBenchSpec, *, out_root: str | Path = "eval/results"
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"the {policy} run failed:\n{done.stderr[-4000:]}")
-            runs.append(json.loads(dst.read_text()))
+            runs.append({**json.loads(dst.read_text()), "repeat": k})
     result = _summarise(spec, runs, vllm.__version__)
     result["config"]["model_dir"] = str(model)
     save_json(result, out / "results.json")
@@ -263,25 +279,34 @@ def run_vllm_bench(spec: VllmBenchSpec, *, out_root: str | Path = "eval/results"
     return result
 
 
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
 def _summarise(spec: VllmBenchSpec, runs: list[dict], vllm_version: str) -> dict:
+    """One row per run; per policy the means over its repeats; the targets from the means."""
     ref = next((r for r in runs if r["policy"] == "vllm"), runs[0])
+    ref_runs = [r for r in runs if r["policy"] == ref["policy"]]
+    ref_tok_s = _mean(r["batch"]["tok_per_s"] for r in ref_runs)
+    ref_ttft = {h: _mean(_pct([t["ttft_s"] for t in r["returning"]["turns"]
+                               if t["history"] == h], 0.5) for r in ref_runs)
+                for h in spec.histories}
     rows = []
     for r in runs:
         b, turns = r["batch"], r["returning"]["turns"]
-        ref_turns = ref["returning"]["turns"]
         differ = sum(x != y for x, y in zip(b["tokens"], ref["batch"]["tokens"])) + sum(
-            t["tokens"] != u["tokens"] for t, u in zip(turns, ref_turns))
-        row = {"policy": r["policy"], "tok_per_s": b["tok_per_s"],
-               "throughput_x": b["tok_per_s"] / ref["batch"]["tok_per_s"],
+            t["tokens"] != u["tokens"] for t, u in zip(turns, ref["returning"]["turns"]))
+        row = {"policy": r["policy"], "repeat": r.get("repeat", 0), "tok_per_s": b["tok_per_s"],
+               "throughput_x": b["tok_per_s"] / ref_tok_s,
                "ttft_p50_s": b["ttft_p50_s"], "ttft_p99_s": b["ttft_p99_s"],
                "preemptions": b["preemptions"], "recomputed_tokens": b["recomputed_tokens"],
                "differing_requests": differ}
         for h in spec.histories:
             mine = [t["ttft_s"] for t in turns if t["history"] == h]
-            base = [t["ttft_s"] for t in ref_turns if t["history"] == h]
             row[f"return{h}_ttft_p50_s"] = _pct(mine, 0.5)
             row[f"return{h}_ttft_p99_s"] = _pct(mine, 0.99)
-            row[f"return{h}_speedup"] = _pct(base, 0.5) / _pct(mine, 0.5)
+            row[f"return{h}_speedup"] = ref_ttft[h] / _pct(mine, 0.5)
             row[f"return{h}_cached"] = sum(t["cached_tokens"] for t in turns
                                            if t["history"] == h)
         for part in ("batch", "returning"):
@@ -290,26 +315,39 @@ def _summarise(spec: VllmBenchSpec, runs: list[dict], vllm_version: str) -> dict
                 if k.startswith("vllm:tierattn_") and "bytes" in k:
                     row[f"{part}_{k.removeprefix('vllm:tierattn_')}_MB"] = v / 1e6
             row[f"{part}_load_faults"] = m.get("vllm:tierattn_load_faults", 0)
+            row[f"{part}_declined_chunks"] = m.get("vllm:tierattn_declined_chunks", 0)
         rows.append(row)
-    best = max(r["tok_per_s"] for r in rows if r["policy"] != "auto-ddr+disk") if rows else 0
-    auto = next((r for r in rows if r["policy"] == "auto-ddr+disk"), None)
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    means = {p: {k: _mean(r[k] for r in rows if r["policy"] == p)
+                 for k in ("tok_per_s", "throughput_x", *(f"return{h}_speedup"
+                                                          for h in spec.histories))}
+             for p in policies}
+    ref_spread = [r["tok_per_s"] for r in rows if r["policy"] == ref["policy"]]
+    best = max((means[p]["tok_per_s"] for p in policies if not p.startswith("auto")),
+               default=float("nan"))
     targets = {
-        "returning_ttft_2x_at_1k+": {
-            p["policy"]: {h: p[f"return{h}_speedup"] for h in spec.histories if h >= 1024}
-            for p in rows if p["policy"] != "vllm"},
-        "batch_throughput_at_least_vllm": {p["policy"]: p["throughput_x"] >= 1.0
-                                           for p in rows if p["policy"] != "vllm"},
-        "auto_within_5pct_of_best_batch": None if auto is None else auto["tok_per_s"] / best,
+        "returning_ttft_2x_at_1k+": {p: {h: means[p][f"return{h}_speedup"]
+                                         for h in spec.histories if h >= 1024}
+                                     for p in policies if p != "vllm"},
+        "batch_throughput_x_vllm": {p: means[p]["throughput_x"] for p in policies
+                                    if p != "vllm"},
+        "auto_over_best_batch": {p: means[p]["tok_per_s"] / best for p in policies
+                                 if p.startswith("auto")},
+        "vllm_run_to_run_spread": (max(ref_spread) - min(ref_spread)) / _mean(ref_spread),
         "differing_requests": sum(r["differing_requests"] for r in rows),
+        "failed_requests": sum(len(r["batch"]["tokens"]) - sum(
+            len(t) == spec.new_tokens for t in r["batch"]["tokens"]) for r in runs),
     }
     return {"config": {**dataclasses.asdict(spec), "kv_cache_tokens": spec.kv_tokens(),
                        "vllm": vllm_version, "machine": platform.processor() or
                        platform.machine(), "cpus": os.cpu_count(),
                        "date": time.strftime("%Y-%m-%d")},
-            "rows": rows, "targets": targets, "runs": runs}
+            "rows": rows, "means": means, "targets": targets, "runs": runs}
 
 
 def _plot(result: dict, path: Path) -> None:
+    """Returning turns' TTFT per history (left) and the batch's throughput (right), per policy:
+    bars the means over repeats, dots the runs."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -317,21 +355,28 @@ def _plot(result: dict, path: Path) -> None:
     except ImportError:  # the vLLM environment may lack matplotlib: the JSON/CSV stand
         return
     rows, hs = result["rows"], result["config"]["histories"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    width = 0.8 / len(rows)
-    for i, r in enumerate(rows):
+    policies = list(result["means"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    width = 0.8 / len(policies)
+    for i, p in enumerate(policies):
+        mine = [r for r in rows if r["policy"] == p]
         xs = [j + i * width for j in range(len(hs))]
-        ax1.bar(xs, [r[f"return{h}_ttft_p50_s"] for h in hs], width, label=r["policy"])
-    ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(hs))], [f"{h} tokens" for h in hs])
+        ax1.bar(xs, [_mean(r[f"return{h}_ttft_p50_s"] for r in mine) for h in hs], width,
+                color=f"C{i}", label=p)
+        for x, h in zip(xs, hs):
+            ax1.plot([x] * len(mine), [r[f"return{h}_ttft_p50_s"] for r in mine], "k.", ms=4)
+        ax2.bar(i, result["means"][p]["tok_per_s"], 0.7, color=f"C{i}")
+        ax2.plot([i] * len(mine), [r["tok_per_s"] for r in mine], "k.", ms=4)
+    ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(hs))],
+                   [f"{h}-token history" for h in hs])
     ax1.set_ylabel("time to first token, p50 (s)")
-    ax1.set_title("(b) a returning conversation's turn")
-    ax2.bar(range(len(rows)), [r["tok_per_s"] for r in rows],
-            color=[f"C{i}" for i in range(len(rows))])
-    ax2.set_xticks(range(len(rows)), [r["policy"] for r in rows], rotation=20)
+    ax1.set_title("(b) a returning conversation's next turn")
+    ax2.set_xticks(range(len(policies)), policies, rotation=15)
     ax2.set_ylabel("generated tokens / s")
-    ax2.set_title(f"(a) preemption-heavy batch ({rows[0]['preemptions']:.0f} preemptions "
-                  "under vllm)")
-    fig.legend(loc="lower center", ncol=len(rows), frameon=False)
+    pre = _mean(r["preemptions"] for r in rows if r["policy"] == policies[0])
+    ax2.set_title(f"(a) preemption-heavy batch (vLLM preempted {pre:.0f} times)")
+    fig.legend(*ax1.get_legend_handles_labels(), loc="lower center", ncol=len(policies),
+               frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -339,12 +384,12 @@ def _plot(result: dict, path: Path) -> None:
 
 def vllm_summary(result: dict) -> str:
     hs = result["config"]["histories"]
-    head = ("policy", "tok/s", "x", "TTFT p50/p99 s", "preempt", "recomputed",
+    head = ("policy", "run", "tok/s", "x", "TTFT p50/p99 s", "preempt", "recomputed",
             *(f"return {h}: TTFT s (x)" for h in hs), "differing")
     lines = [" | ".join(head)]
     for r in result["rows"]:
         lines.append(" | ".join([
-            r["policy"], f"{r['tok_per_s']:.1f}", f"{r['throughput_x']:.2f}",
+            r["policy"], str(r["repeat"]), f"{r['tok_per_s']:.1f}", f"{r['throughput_x']:.2f}",
             f"{r['ttft_p50_s']:.2f}/{r['ttft_p99_s']:.2f}", f"{r['preemptions']:.0f}",
             f"{r['recomputed_tokens']:.0f}",
             *(f"{r[f'return{h}_ttft_p50_s']:.3f} ({r[f'return{h}_speedup']:.1f}x)" for h in hs),

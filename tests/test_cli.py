@@ -3,6 +3,8 @@ status 2, no traceback, before any work starts (numeric flags checked at parse t
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -49,6 +51,7 @@ CASES = [
     (["bench", "--serving", "--new-tokens", "64"], "--new-tokens"),
     (["bench", "--serving", "--prompt-lengths", "0"], "--prompt-lengths"),
     (["serve", "--swap-tiers", "disk", "--", "m"], "--swap-disk"),
+    *([(["bench", "--vllm"], "--vllm")] if importlib.util.find_spec("vllm") is None else []),
     (["serve", "--swap-tiers", "ssd", "--", "m"], "--swap-tiers"),
     (["serve", "--swap-tiers", "ddr,disk", "--swap-disk", "d", "--swap-capacity-gib", "1",
       "--", "m"], "--swap-capacity-gib"),

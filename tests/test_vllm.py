@@ -20,6 +20,8 @@ import errno
 import importlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,6 +121,43 @@ def _engine_params(*names: str) -> list:
 
 def _loaded(run, *, round: int) -> dict[str, float]:
     return {t: run.delta("tierattn_loaded_chunks", t, round=round) for t in run.notes["tiers"]}
+
+
+#: one engine with vLLM's worker processes (``vllm serve``'s layout), run from its own process
+MULTIPROCESS_RUN = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from vllm_helpers import run_engine
+from tierattn.config import TierSpec
+from tierattn.models import vllm_offload as vo
+
+if __name__ == "__main__":
+    tiers = (TierSpec("ddr", capacity_pages=2), TierSpec("disk", path={disk!r}))
+    run = run_engine("multiprocess", {model!r}, vo.vllm_kv_transfer_config(tiers, policy="swap"))
+    print("RESULT" + json.dumps({{"tokens": run.tokens,
+                                 "loaded": run.delta("tierattn_loaded_chunks", "disk", round=1),
+                                 "preempted": run.value("num_preemptions", after=0)}}))
+"""
+
+
+@engine
+@pytest.mark.parametrize("reference", ["llama"], indirect=True)
+def test_the_connector_runs_across_vllm_processes(reference, models, tmp_path):
+    """With ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` (``vllm serve``) the manager runs in the engine
+    core's process and the worker in another: slot specs, failures and timings cross by
+    pickle, and the tokens still equal vLLM's."""
+    script = tmp_path / "multiprocess_run.py"
+    script.write_text(MULTIPROCESS_RUN.format(tests=str(Path(__file__).parent),
+                                              disk=str(tmp_path / "pages"),
+                                              model=models["llama"]))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.split("RESULT", 1)[1])
+    assert result["preempted"] > 0
+    assert result["tokens"] == [reference.tokens[0]] * 2
+    assert result["loaded"] > 0, "the second round loaded nothing from disk"
 
 
 @engine
