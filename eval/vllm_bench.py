@@ -45,7 +45,22 @@ KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
 
 @dataclass(frozen=True)
 class VllmBenchSpec:
-    """What :func:`run_vllm_bench` measures (the defaults are the committed run)."""
+    """What :func:`run_vllm_bench` measures (the defaults are the committed run).
+
+    Attributes:
+        requests, prompt_tokens, new_tokens: workload (a), submitted at once.
+        kv_share: vLLM's KV cache, as a share of what workload (a)'s requests hold at their end
+            (whole blocks; at least one returning turn of the longest history).
+        histories, conversations, answer_tokens, followup_tokens: workload (b): per history
+            length, ``conversations`` conversations; turn 1 generates ``answer_tokens``, the
+            returning turn adds ``followup_tokens`` and generates ``answer_tokens``.
+        policies: runs of :data:`POLICIES` (``vllm`` is the reference of tokens and times).
+        ddr_gib, small_ddr_gib, disk_gib: the DDR tier of ``swap-ddr``; the DDR and disk
+            tiers of the ``+disk`` runs.
+        block_size: vLLM's block (and stored chunk) size in tokens.
+        repeats: runs per policy (each a fresh engine, in its own process).
+        seed: where the windows of offline text start.
+    """
 
     requests: int = 16
     prompt_tokens: int = 256
