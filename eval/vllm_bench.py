@@ -281,7 +281,8 @@ def run_vllm_bench(spec: VllmBenchSpec, *, out_root: str | Path = "eval/results"
                    "--spec", json.dumps(dataclasses.asdict(spec)), "--model", str(model),
                    "--work", str(Path(tmp) / "work.json"), "--disk", str(Path(tmp) / "disk"),
                    "--dst", str(dst)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
+            # not from the repository root: its kernels/ folder would shadow a package
+            done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
             if done.returncode:
                 raise RuntimeError(f"the {policy} run failed:\n{done.stderr[-4000:]}")
             runs.append({**json.loads(dst.read_text()), "repeat": k})

@@ -9,10 +9,10 @@ tierattn's tiers and cost model:
 
 * :class:`TieredBlockManager` (scheduler process): slots of DDR, CXL and disk with their
   capacities; a new chunk goes into the fastest tier with room (spilling down), and when every
-  tier is full the least recently used chunk not being read is evicted. ``lookup`` reports a
-  miss when the measured cost model predicts that prefilling the chunk again is faster than
-  loading it from where it is (``policy="auto"``), so a slow tier is never worse than vLLM's
-  recompute.
+  tier is full the least recently used chunk not being read is evicted. Under
+  ``policy="auto"`` a lookup's whole hit is priced at once -- its chunks' loads from their
+  tiers against prefilling its tokens, both from the measured cost model -- and reported as
+  none when prefilling is faster, so a slow tier is never worse than vLLM's recompute.
 * :class:`TieredBlockWorker` (each worker process): moves blocks between vLLM's paged KV cache
   and the tiers through tierattn's :class:`~tierattn.mover.Mover` and transfer engines (one
   batched copy per tier and layer; synchronous on CPU, a copy stream on CUDA; disk pages are
@@ -69,6 +69,7 @@ try:
                                          RequestOffloadingContext, TransferResult)
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
         OffloadingConnectorStats)
+    from vllm.platforms import current_platform
 except ImportError as e:  # pragma: no cover - the [vllm] extra is optional
     raise ImportError(
         "tierattn.models.vllm_offload needs vLLM: pip install 'tierattn[vllm]' (on a CPU "
@@ -81,6 +82,10 @@ __all__ = ["SUPPORTED", "TierattnOffloadingConnector", "TierattnOffloadingSpec",
 SUPPORTED = ("0.32",)
 #: extra-config key the connector fills with the engine's KV-cache blocks (default capacities)
 ENGINE_BLOCKS = "tierattn_engine_blocks"
+#: under "auto", one declined load in this many is taken anyway, so the load fits stay measured
+EXPLORE_EVERY = 16
+#: default DDR/CXL tiers hold at most this share of the host's RAM (over all workers)
+HOST_SHARE = 0.5
 METRIC = "vllm:tierattn_"  # get_metrics() lists only "vllm:" names
 
 
@@ -113,13 +118,14 @@ def vllm_kv_transfer_config(tiers: Sequence[TierSpec | str] = ("ddr",), policy: 
 
     Args:
         tiers: fastest first, kinds ``"ddr"``, ``"cxl"``, ``"disk"`` (names or
-            :class:`~tierattn.config.TierSpec`; a disk tier needs ``path``). Capacities:
-            ``capacity_gib`` or ``capacity_pages`` (in vLLM blocks); by default DDR and CXL hold
-            as many blocks as vLLM's KV cache, disk four times that (at most 90% of the
-            folder's free space).
-        policy: ``"auto"`` loads a stored chunk unless the measured cost model predicts that
-            prefilling it again is faster, ``"swap"`` always loads, ``"recompute"`` never stores
-            (vLLM's own behaviour, through this connector).
+            :class:`~tierattn.config.TierSpec`; a disk tier needs ``path``). Capacities, per
+            worker: ``capacity_gib`` or ``capacity_pages`` (in vLLM blocks); by default DDR and
+            CXL hold as many blocks as vLLM's KV cache (at most half the host's RAM), disk
+            four times that (at most 90% of the folder's free space).
+        policy: ``"auto"`` loads a lookup's hit unless the measured cost model predicts that
+            prefilling its tokens is faster (one declined hit in :data:`EXPLORE_EVERY` is
+            loaded anyway, so the load costs stay measured), ``"swap"`` always loads,
+            ``"recompute"`` never stores (vLLM's own behaviour, through this connector).
         calibration: a calibration file (``tierattn bench --vllm`` writes one) whose transfer
             costs stand until this engine has measured its own.
         prompt_only: store prompt blocks only (vLLM's default); False also keeps the blocks a
@@ -168,10 +174,15 @@ def _swap_config(extra: dict) -> SwapConfig:
                       backend=extra.get("backend", "auto"))
 
 
-def _capacities(config: SwapConfig, block_bytes: int, engine_blocks: int) -> list[int]:
-    """Blocks each tier holds: its capacity, or DDR/CXL = the engine's KV cache, disk = four
-    times it (at most 90% of the folder's free space)."""
+def _capacities(config: SwapConfig, block_bytes: int, engine_blocks: int,
+                workers: int = 1) -> list[int]:
+    """Blocks each tier holds: its capacity, or DDR/CXL = the engine's KV cache (at most
+    :data:`HOST_SHARE` of the host's RAM over all ``workers``), disk = four times it (at most
+    90% of the folder's free space over all workers). ``block_bytes``: one worker's share of a
+    block. Computed alike in the scheduler's and the workers' processes (physical RAM, not
+    free memory, bounds the host tiers)."""
     out = []
+    per_block = max(1, block_bytes * workers)
     for spec in config.tiers:
         cap = spec.capacity(block_bytes)
         if cap is None:
@@ -179,7 +190,10 @@ def _capacities(config: SwapConfig, block_bytes: int, engine_blocks: int) -> lis
             if spec.kind == "disk":
                 Path(spec.path).mkdir(parents=True, exist_ok=True)
                 free = shutil.disk_usage(spec.path).free
-                cap = min(DISK_POOLS * engine_blocks, int(0.9 * free) // max(1, block_bytes))
+                cap = min(DISK_POOLS * engine_blocks, int(0.9 * free) // per_block)
+            else:
+                ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                cap = min(cap, int(HOST_SHARE * ram) // per_block)
         out.append(int(cap))
     return out
 
@@ -216,7 +230,7 @@ class ManagerStats:
     stored_bytes: dict[str, int] = field(default_factory=dict)
     loaded_bytes: dict[str, int] = field(default_factory=dict)
     evicted_chunks: int = 0
-    declined_chunks: int = 0      # auto: recompute predicted cheaper than the load
+    declined_chunks: int = 0      # auto: hit chunks prefilled, recompute predicted cheaper
     store_faults: int = 0
     load_faults: int = 0
     no_room: int = 0              # prepare_store calls that found every slot busy
@@ -249,17 +263,11 @@ class TieredBlockManager(OffloadingManager):
         self.stats = ManagerStats()
         self._reported = ManagerStats()
         self._evicted: list[OffloadKey] = []
+        #: tiers of the chunks the current lookup of each request hit
+        self._hits: dict[str, list[int]] = {}
+        self._declines = 0
 
     # --- decisions ----------------------------------------------------------------------------
-
-    def _load_cheaper(self, chunk: _Chunk, end: int | None) -> bool:
-        """Whether loading ``chunk`` is predicted no slower than prefilling it again (True
-        while either cost is unmeasured: the tiers are tried first)."""
-        load = self.costs.transfer_s(self.kinds[chunk.tier], "load", self.chunk_bytes)
-        if load is None or self.costs.prefill.coef() is None:
-            return True
-        past = max(0, (end or self.tokens_per_chunk) - self.tokens_per_chunk)
-        return load <= self.costs.marginal_s(self.tokens_per_chunk, past)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         chunk = self.chunks.get(key)
@@ -267,11 +275,40 @@ class TieredBlockManager(OffloadingManager):
             return LookupResult.MISS
         if chunk.readers < 0:
             return LookupResult.HIT_PENDING
-        if self.policy == "auto" and not self._load_cheaper(
-                chunk, req_context.get_offload_key_position(key)):
-            self.stats.declined_chunks += 1
-            return LookupResult.MISS
+        self._hits.setdefault(req_context.req_id, []).append(chunk.tier)
         return LookupResult.HIT
+
+    def begin_lookup(self, req_id: str) -> None:
+        """A request's prefix is about to be looked up (its hits are collected for
+        :meth:`worth_loading`)."""
+        self._hits[req_id] = []
+
+    def worth_loading(self, req_id: str, tokens: int, past: int) -> bool:
+        """Under ``"auto"``: whether loading the ``tokens`` tokens this lookup hit (after
+        ``past`` tokens already in vLLM's cache) is predicted no slower than prefilling them.
+        The whole hit is priced at once (vLLM loads a prefix or nothing past its first miss).
+        True while a cost is unmeasured, and every :data:`EXPLORE_EVERY`-th time it would be
+        False, so the load fits keep being measured."""
+        tiers = self._hits.pop(req_id, [])
+        if self.policy != "auto" or not tokens or not tiers:
+            return True
+        placement: dict[str, int] = {}
+        for tier in tiers:
+            kind = self.kinds[tier]
+            placement[kind] = placement.get(kind, 0) + self.chunk_bytes
+        load = 0.0
+        for kind, nbytes in placement.items():
+            t = self.costs.transfer_s(kind, "load", nbytes)
+            if t is None:
+                return True
+            load += t
+        if self.costs.prefill.coef() is None or load <= self.costs.marginal_s(tokens, past):
+            return True
+        self._declines += 1
+        if self._declines % EXPLORE_EVERY == 0:
+            return True
+        self.stats.declined_chunks += len(tiers)
+        return False
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         parts = []
@@ -368,8 +405,12 @@ class TieredBlockManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def reset_cache(self) -> None:
-        for key in [k for k, c in self.chunks.items() if c.readers == 0]:
-            self._drop(key)
+        """Forget every chunk: vLLM flushes in-flight jobs first and ignores their late
+        completions, so a chunk left "in flight" would never complete."""
+        self.chunks.clear()
+        self._failed.clear()
+        self._hits.clear()
+        self._free = [[]] + [list(range(c - 1, -1, -1)) for c in self.capacities]
 
     def used_slots(self) -> dict[str, int]:
         return {self.kinds[t]: self.capacities[t - 1] - len(self._free[t])
@@ -481,6 +522,7 @@ class TieredBlockWorker(OffloadingWorker):
         engine = default_engine(self.device, None if backend == "auto" else backend)
         self.mover = Mover(tiers, None, engine, self.telemetry, self.device)
         self.watch = Stopwatch(self.device)
+        self.host_watch = Stopwatch(torch.device("cpu"))
         self.block_bytes = tiers[0].page_bytes * len(pools)
         self._jobs: dict[int, _Job] = {}
         self._done: deque[int] = deque()
@@ -521,10 +563,18 @@ class TieredBlockWorker(OffloadingWorker):
         self._jobs[job_id] = job
         direction = "store" if store else "load"
         written: list[tuple[int, torch.Tensor]] = []
+        engine_stream = getattr(self.mover.engine, "stream", None)
         try:
             for tier, slots, blocks, starts in self._blocks(device_spec, spec):
                 kind, nbytes = self.tiers[tier].kind, len(slots) * self.block_bytes
-                start = self.watch.start(getattr(self.mover.engine, "stream", None))
+                # memory tiers copy on the engine's stream: time them there, from when it has
+                # caught up with the forward that wrote the blocks; a disk tier's copies are
+                # host I/O: wall time
+                stream = engine_stream if self.tiers[tier].is_memory else None
+                if stream is not None:
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                watch = self.watch if stream is not None else self.host_watch
+                start = watch.start(stream)
                 if store:
                     written.append((tier, slots))
                 for layer in range(len(self.layers)):
@@ -539,9 +589,10 @@ class TieredBlockWorker(OffloadingWorker):
 
                 def timed(seconds: float, kind=kind, nbytes=nbytes) -> None:
                     self.transfers.append((kind, direction, nbytes, seconds))
-                    result.transfer_size += nbytes
-                    result.transfer_time += seconds
-                self.watch.stop(start, timed, getattr(self.mover.engine, "stream", None))
+                    if not job.failed:  # a later tier's failure voids the job's figures
+                        result.transfer_size += nbytes
+                        result.transfer_time += seconds
+                watch.stop(start, timed, stream)
         except (OSError, TierAttnError) as e:  # a full disk, an I/O error, a corrupt file
             job.failed = True
             self.failed_jobs.add(job_id)
@@ -570,13 +621,15 @@ class TieredBlockWorker(OffloadingWorker):
         return self._run(job_id, dst_spec, src_spec, store=False)
 
     def get_finished(self) -> list[TransferResult]:
+        """Jobs whose copies landed, in submission order. (On CUDA a job's timing joins its
+        result if its end event completed by then; the cost model gets every timing.)"""
         self.watch.poll()
         out = []
         while self._done:
             job = self._jobs[self._done[0]]
             if any(not _landed(t) for t in job.tickets):
                 break
-            self.watch.poll(wait=True)  # its copies landed: their timings are final
+            self.watch.poll()
             out.append(self._jobs.pop(self._done.popleft()).result)
         return out
 
@@ -638,8 +691,8 @@ class TierattnOffloadingSpec(OffloadingSpec):
                              ("loaded_bytes", "Bytes loaded from a tierattn tier (per worker)."))}
         defs.update({METRIC + n: OffloadingCounterMetadata(documentation=d) for n, d in (
             ("evicted_chunks", "Stored chunks evicted when every tier was full."),
-            ("declined_chunks", "Stored chunks recomputed because recomputing was predicted "
-                                "faster than loading them."),
+            ("declined_chunks", "Stored chunks prefilled because recomputing them was "
+                                "predicted faster than loading them."),
             ("store_faults", "Chunks whose store failed (dropped)."),
             ("load_faults", "Chunks whose load failed (recomputed)."),
             ("no_room", "Stores refused: every slot was being read or written."))})
@@ -657,7 +710,8 @@ class TierattnOffloadingSpec(OffloadingSpec):
         self.swap = _swap_config(dict(self.extra_config))
         self.block_bytes = config.worker_kv_bytes_per_block
         self.capacities = _capacities(self.swap, self.block_bytes,
-                                      int(self.extra_config[ENGINE_BLOCKS]))
+                                      int(self.extra_config[ENGINE_BLOCKS]),
+                                      int(config.parallel.world_size))
         self._manager: TieredBlockManager | None = None
         self._worker: TieredBlockWorker | None = None
 
@@ -710,6 +764,8 @@ class TierattnOffloadingConnector(OffloadingConnector):
         extra[ENGINE_BLOCKS] = int(kv_cache_config.num_blocks)
         super().__init__(vllm_config, role, kv_cache_config)
         self._step = 0
+        self._workers = max(1, int(vllm_config.parallel_config.world_size))
+        self._cpu = current_platform.is_cpu()
         #: scheduler side: step -> (start, query tokens, KV tokens, pairs, decode only)
         self._steps: dict[int, tuple] = {}
         self._worker_step: int | None = None
@@ -719,6 +775,19 @@ class TierattnOffloadingConnector(OffloadingConnector):
     @property
     def manager(self) -> TieredBlockManager:
         return self.scheduler.manager
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        """vLLM's prefix lookup, then (``"auto"``) the whole hit priced at once: loading it
+        from its tiers against prefilling its tokens; a hit not worth loading is reported as
+        none, and the tokens are prefilled."""
+        self.manager.begin_lookup(request.request_id)
+        hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if hit and not self.manager.worth_loading(request.request_id, hit, num_computed_tokens):
+            state = self.scheduler._req_status[request.request_id]
+            state.partial_tail_boundary = None
+            state.update_num_hit_chunks(num_computed_tokens)
+            return 0, False
+        return hit, is_async
 
     def build_connector_meta(self, scheduler_output):
         meta = super().build_connector_meta(scheduler_output)
@@ -747,7 +816,9 @@ class TierattnOffloadingConnector(OffloadingConnector):
             self.manager.mark_failed({k for j in meta.failed_jobs if j in jobs
                                       for k in jobs[j].keys})
             self.manager.observe(meta)
-            moved = sum(s for *_, s in meta.transfers)
+            # copies on the CPU platform run synchronously inside the step (workers in
+            # parallel): not its forward; on CUDA they overlap it on a copy stream
+            moved = sum(s for *_, s in meta.transfers) / self._workers if self._cpu else 0.0
             for step in meta.steps:
                 entry = self._steps.pop(step, None)
                 if entry is not None:  # synchronous copies ran inside the step: not its forward

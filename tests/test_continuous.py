@@ -324,7 +324,8 @@ def test_tierattn_serve_swaps_inside_transformers_serve(tmp_path):
             [sys.executable, "-m", "tierattn.eval.cli", "serve", "--swap-policy", "swap", "--",
              str(ckpt), "--continuous-batching", "--cb-num-blocks", "10", "--cb-block-size", "4",
              "--cb-max-batch-tokens", "64", "--port", str(port), "--device", "cpu", "--dtype",
-             "float32", "--attn-implementation", "sdpa"], stdout=out, stderr=subprocess.STDOUT)
+             "float32", "--attn-implementation", "sdpa"], stdout=out, stderr=subprocess.STDOUT,
+            cwd=tmp_path)  # not the repository root: its kernels/ folder shadows a package
     try:
         deadline = time.time() + 120
         while True:

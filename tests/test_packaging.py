@@ -50,12 +50,13 @@ def test_import_has_no_side_effects():
 
 
 def test_cli_lists_only_working_subcommands():
+    # run outside the repository root, whose kernels/ folder would shadow a package
     out = subprocess.run([sys.executable, "-m", "tierattn.eval.cli", "--help"], capture_output=True,
-                         text=True, check=True).stdout
+                         text=True, check=True, cwd=ROOT.parent).stdout
     assert re.search(r"\{(.+)\}", out).group(1) == \
         "demo,loop,eval,bench,models,autotune,serve,info"
     info = subprocess.run([sys.executable, "-m", "tierattn.eval.cli", "info"], capture_output=True,
-                          text=True, check=True).stdout
+                          text=True, check=True, cwd=ROOT.parent).stdout
     assert '"tierattn": "0.1.0"' in info
 
 

@@ -31,7 +31,7 @@ def test_two_rank_tensor_parallel_is_token_identical_to_one_process(tmp_path, fi
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--standalone", str(WORKER), str(tmp_path), ",".join(FAMILIES)],
-        env=env, capture_output=True, text=True, timeout=600)
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, result in enumerate(ranks):

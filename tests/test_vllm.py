@@ -436,29 +436,57 @@ def _slow_disk_fast_prefill(m: vo.TieredBlockManager) -> None:
                                   1e-5 * q + 1e-8 * attention_work(q, past))
 
 
-def test_auto_declines_a_load_slower_than_recomputing(tmp_path):
+def _looked_up(m: vo.TieredBlockManager, req: str, keys) -> list:
+    """What vLLM's prefix lookup does before the connector prices the hit."""
+    ctx = ReqContext(req)
+    m.begin_lookup(req)
+    return [m.lookup(k, ctx) for k in keys]
+
+
+def test_auto_declines_a_hit_slower_to_load_than_to_recompute(tmp_path):
     m, ctx = manager(tmp_path, "auto"), ReqContext("r")
     store(m, [key(i) for i in range(3)], ctx)  # 0, 1 in DDR; 2 on disk
-    # nothing measured yet: the tiers are tried
-    assert m.lookup(key(2), ctx) is LookupResult.HIT
+    # lookups report every stored chunk; the connector prices the whole hit
+    assert _looked_up(m, "a", [key(2)]) == [LookupResult.HIT]
+    assert m.worth_loading("a", 128, 0)  # nothing measured yet: the tiers are tried
     _slow_disk_fast_prefill(m)
-    # a first block: 1.4 ms to prefill again against 2.5 ms to load
+    # one block from disk: 1.4 ms to prefill again against 2.5 ms to load
     assert m.costs.marginal_s(128, 0) < m.costs.transfer_s("disk", "load", 1024)
-    assert m.lookup(key(2), ctx) is LookupResult.MISS
+    _looked_up(m, "b", [key(2)])
+    assert not m.worth_loading("b", 128, 0)
     assert m.stats.declined_chunks == 1
-    # DDR loads are not measured: tried
-    assert m.lookup(key(0), ctx) is LookupResult.HIT
-    # the 16th block of a request: its attention over 1920 cached tokens makes recomputing it
-    # slower (3.8 ms) than loading it
-    ctx.set_offload_key_position(key(2), 16 * 128)
-    assert m.lookup(key(2), ctx) is LookupResult.HIT
-    assert m.stats.declined_chunks == 1
+    # after 15 cached blocks, attention over them makes recomputing the block slower (3.8 ms)
+    _looked_up(m, "c", [key(2)])
+    assert m.worth_loading("c", 128, 15 * 128)
+    # a hit with a DDR chunk whose cost is unmeasured: tried
+    _looked_up(m, "d", [key(0), key(2)])
+    assert m.worth_loading("d", 256, 0)
+    # one declined hit in EXPLORE_EVERY is loaded anyway: the load fits stay measured
+    taken = []
+    for i in range(2 * vo.EXPLORE_EVERY):
+        _looked_up(m, f"e{i}", [key(2)])
+        taken.append(m.worth_loading(f"e{i}", 128, 0))
+    assert taken.count(True) == 2 and m.stats.declined_chunks == 1 + 2 * vo.EXPLORE_EVERY - 2
     # "swap" loads whatever the costs
     s = manager(tmp_path / "swap", "swap")
     store(s, [key(i) for i in range(3)], ctx)
     _slow_disk_fast_prefill(s)
-    assert s.lookup(key(2), ReqContext("q")) is LookupResult.HIT
-    assert s.stats.declined_chunks == 0
+    _looked_up(s, "q", [key(2)])
+    assert s.worth_loading("q", 128, 0) and s.stats.declined_chunks == 0
+
+
+def test_reset_cache_forgets_chunks_in_flight(tmp_path):
+    """vLLM's reset_cache ignores the late completions of jobs in flight: nothing may wait
+    for them (a HIT_PENDING would defer the prefix's requests forever)."""
+    m, ctx = manager(tmp_path), ReqContext("r")
+    store(m, [key(0)], ctx)
+    m.prepare_load([key(0)], ctx)                      # a load in flight
+    assert m.prepare_store([key(1)], ctx) is not None  # a store in flight
+    m.reset_cache()
+    assert _looked_up(m, "x", [key(0), key(1)]) == [LookupResult.MISS] * 2
+    assert sum(m.used_slots().values()) == 0
+    assert m.prepare_store([key(i) for i in range(6)], ctx).keys_to_store == \
+        [key(i) for i in range(6)]  # every slot free again (2 DDR + 4 disk)
 
 
 def test_manager_reports_metric_deltas(tmp_path):

@@ -149,10 +149,12 @@ class MemoryTier(Tier):
                 f"{kind} tier needs {need / 2**30:.2f} GiB ({num_layers} layers x {capacity} "
                 f"pages x {self.page_bytes} B) but only {have / 2**30:.2f} GiB is available on "
                 f"{device} (at most 90% may be used); lower capacity_pages or max_context.")
-        with _first_touch_on(numa_node):
-            pool = torch.zeros((num_layers, capacity, *page_shape), dtype=dtype, device=device)
         self.pinned = bool(pinned and device.type == "cpu" and torch.cuda.is_available())
-        self.pools = pool.pin_memory() if self.pinned else pool
+        # allocated pinned in place (a pinned copy of a pageable pool would need twice the
+        # memory for a moment) and zeroed by the thread bound to the tier's NUMA node
+        with _first_touch_on(numa_node):
+            self.pools = torch.empty((num_layers, capacity, *page_shape), dtype=dtype,
+                                     device=device, pin_memory=self.pinned).zero_()
 
     @classmethod
     def over(cls, kind: str, pools: torch.Tensor | Sequence[torch.Tensor]) -> MemoryTier:
