@@ -782,7 +782,9 @@ class TierattnOffloadingConnector(OffloadingConnector):
         none, and the tokens are prefilled."""
         self.manager.begin_lookup(request.request_id)
         hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if hit and not self.manager.worth_loading(request.request_id, hit, num_computed_tokens):
+        # always asked, so the lookup's record is dropped whatever the hit
+        worth = self.manager.worth_loading(request.request_id, hit or 0, num_computed_tokens)
+        if hit and not worth:
             state = self.scheduler._req_status[request.request_id]
             state.partial_tail_boundary = None
             state.update_num_hit_chunks(num_computed_tokens)
