@@ -39,8 +39,6 @@ from pathlib import Path
 __all__ = ["POLICIES", "VllmBenchSpec", "run_vllm_bench", "vllm_summary"]
 
 POLICIES = ("vllm", "swap-ddr", "swap-ddr+disk", "auto-ddr+disk")
-#: SmolLM2-135M's KV bytes per token in float32 (30 layers x 2 x 3 KV heads x 64)
-KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
 
 
 @dataclass(frozen=True)
@@ -109,6 +107,15 @@ def export_smollm2(folder: Path) -> Path:
     plain.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def _kv_bytes_per_token(folder: Path) -> int:
+    """K and V bytes one token holds in float32, over every layer, from the model's config
+    (SmolLM2-135M: 30 layers x 2 x 3 KV heads x 64 x 4 B = 46,080)."""
+    c = json.loads((folder / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * kv_heads * head_dim * 4
 
 
 def _texts_ids(folder: Path) -> list[int]:
@@ -203,7 +210,7 @@ def _one_policy(policy: str, spec: VllmBenchSpec, model: Path, work: dict, disk:
     llm = LLM(model=str(model), dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
               max_model_len=max(spec.histories) + spec.answer_tokens + spec.followup_tokens +
               spec.new_tokens + spec.block_size,
-              kv_cache_memory_bytes=spec.kv_tokens() * KV_BYTES_PER_TOKEN,
+              kv_cache_memory_bytes=spec.kv_tokens() * _kv_bytes_per_token(model),
               block_size=spec.block_size, disable_log_stats=False, seed=spec.seed,
               kv_transfer_config=_transfer_config(policy, spec, disk))
     engine_s = time.perf_counter() - t0
@@ -248,13 +255,6 @@ def _one_policy(policy: str, spec: VllmBenchSpec, model: Path, work: dict, disk:
                       "tokens": list(r.outputs[0].token_ids)})
     out["returning"] = {"turns": turns, "metrics": _delta(_metrics(llm), before)}
     return out
-
-
-@dataclass
-class _Paths:
-    model: Path
-    work: Path
-    disk: Path
 
 
 def run_vllm_bench(spec: VllmBenchSpec, *, out_root: str | Path = "eval/results",

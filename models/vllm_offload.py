@@ -34,6 +34,7 @@ across layers are supported; hybrid models are refused with a clear error.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import time
@@ -86,7 +87,9 @@ ENGINE_BLOCKS = "tierattn_engine_blocks"
 EXPLORE_EVERY = 16
 #: default DDR/CXL tiers hold at most this share of the host's RAM (over all workers)
 HOST_SHARE = 0.5
-METRIC = "vllm:tierattn_"  # get_metrics() lists only "vllm:" names
+METRIC = "vllm:tierattn_"
+#: a warning per failed transfer (its chunks are dropped and recomputed)
+logger = logging.getLogger("tierattn.vllm")  # get_metrics() lists only "vllm:" names
 
 
 def _check_vllm() -> None:
@@ -126,8 +129,8 @@ def vllm_kv_transfer_config(tiers: Sequence[TierSpec | str] = ("ddr",), policy: 
             prefilling its tokens is faster (one declined hit in :data:`EXPLORE_EVERY` is
             loaded anyway, so the load costs stay measured), ``"swap"`` always loads,
             ``"recompute"`` never stores (vLLM's own behaviour, through this connector).
-        calibration: a calibration file (``tierattn bench --vllm`` writes one) whose transfer
-            costs stand until this engine has measured its own.
+        calibration: a calibration file (``CostModel.save``; ``tierattn bench --serving``
+            writes one) whose transfer costs stand until this engine has measured its own.
         prompt_only: store prompt blocks only (vLLM's default); False also keeps the blocks a
             request generates, so a preempted request or the next turn of a conversation finds
             its answer's KV too.
@@ -605,8 +608,7 @@ class TieredBlockWorker(OffloadingWorker):
                         if not self.tiers[tier].is_memory:
                             for s in slots.tolist():
                                 self.tiers[tier].path(layer, s).unlink(missing_ok=True)
-            import logging
-            logging.getLogger("tierattn.vllm").warning(
+            logger.warning(
                 "%s job %d failed (%s); its chunks are dropped and recomputed.", direction,
                 job_id, e if isinstance(e, (KVIOError, KVFileError)) else repr(e))
         self._done.append(job_id)
