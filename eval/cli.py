@@ -2,7 +2,7 @@
 
     tierattn demo [--context N] [--out FILE]   kernel demo: evict vs offload at a 25% HBM budget
     tierattn loop [--preset P] [--out FILE]    multi-layer decode loop of the tiered runtime
-    tierattn eval reasoning [--n N] [--out-root DIR]   eviction vs offload on the tiny reasoner
+    tierattn eval reasoning [--full] [--out-root DIR]  eviction vs offload on the tiny reasoner
     tierattn eval reasoning --model DIR --data F.jsonl  the same on any HF checkpoint + JSONL
     tierattn eval fidelity [--out-root DIR]    SmolLM2-135M: KL, top-1, perplexity, passkey
     tierattn eval keytier [--contexts N]        SmolLM2: attention each recall selector misses
@@ -228,12 +228,14 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         return 0
     from tierattn.eval.reasoning import ReasoningSpec, run_reasoning, summary
 
-    spec = ReasoningSpec(n=args.n or 200, budgets=args.budgets or (0.25, 0.5, 0.75),
-                         page_size=args.page_size or ReasoningSpec.page_size,
-                         **({"recall": args.recall} if args.recall else {}),
-                         backend=args.backend,
-                         **({"methods": args.methods} if args.methods else {}),
-                         **({"seed": args.seed} if args.seed is not None else {}))
+    kw = dict(budgets=args.budgets or (0.25, 0.5, 0.75),
+              page_size=args.page_size or ReasoningSpec.page_size,
+              **({"recall": args.recall} if args.recall else {}), backend=args.backend,
+              **({"methods": args.methods} if args.methods else {}),
+              **({"seed": args.seed} if args.seed is not None else {}),
+              **({"n": args.n} if args.n else {}),
+              **({"teacher_forcing": True} if args.teacher_forcing else {}))
+    spec = ReasoningSpec.full_study(**kw) if args.full else ReasoningSpec(**kw)
     print(summary(run_reasoning(spec, model_dir=args.model, out_root=args.out_root)))
     return 0
 
@@ -460,11 +462,21 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", type=_existing("file"), default=None,
                     help="JSONL of question/answer pairs (GSM8K style)")
     ev.add_argument("--n", type=_int_at_least(1), default=None,
-                    help="items per task (reasoning default 200; --data default: all)")
+                    help="items per task (reasoning default 400, --full 200; --data default: "
+                         "all)")
+    ev.add_argument("--full", action="store_true",
+                    help="reasoning: the whole study (every method, the HBM x eviction grid, "
+                         "the 1-hop and filler controls; ~17 min on 2 cores) instead of the "
+                         "default run (full, offload, topk, SnapKV, H2O, oracle; main task)")
+    ev.add_argument("--teacher-forcing", action="store_true",
+                    help="reasoning: also teacher-force every cell on the gold answer for token "
+                         "KL and top-1 agreement with the full cache (--full always does)")
     ev.add_argument("--budgets", type=_floats, default=None,
                     help="comma-separated HBM ratios (reasoning default 0.25,0.5,0.75)")
     ev.add_argument("--methods", type=_choices(METHOD_NAMES), default=None,
-                    help="comma-separated methods (default: all of them; full is always run)")
+                    help="comma-separated methods (reasoning default: full, offload, topk, "
+                         "evict-snapkv, evict-h2o, oracle; --full and the other evals: all of "
+                         "them; full is always run)")
     ev.add_argument("--contexts", type=_list(_int_at_least(256)), default=None,
                     help="fidelity: context lengths in tokens (e.g. 2048,4096): text segments "
                          "and passkey prompts of that length (default: 448-token segments); "

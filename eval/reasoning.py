@@ -2,19 +2,25 @@
 
 On the shipped tiny reasoner (or any reasoner trained by :mod:`.train_reasoner`) it runs
 
-* **main**: every method of :data:`~tierattn.eval.methods.METHODS` at each HBM ratio of
-  ``budgets`` on multi-hop pointer-chasing queries (2-4 hops, 24 chains, ~290-token prompts);
+* **main**: methods at each HBM ratio of ``budgets`` on multi-hop pointer-chasing queries (2-4
+  hops, 24 chains, ~290-token prompts);
 * **grid**: HBM ratio x eviction ratio (H2O drops ``evict`` of each sequence, ``hbm`` stays hot,
   the rest is offloaded), to test "accuracy depends on the eviction ratio, not the HBM ratio";
 * **controls** at ``control_budget``: 1-hop queries (prefill-time eviction sees the query, so
   it should work there) and a filler variant (12 chains with 1-3 filler tokens after each edge).
+
+The default run answers the question in minutes: the main section alone for the full cache,
+offload, ``topk``, the two strongest eviction baselines and the oracle, on 400 items (every
+accuracy's 95% interval within +-5 points), and a verdict (:func:`verdict`).
+``ReasoningSpec.full_study()`` (``--full``) is the whole study: every method, the grid and the
+controls on 200 items.
 
 Each cell runs greedy decoding (accuracy, trace length, greedy match with the full cache, bytes
 moved, residency) and teacher forcing on the gold answer (token KL and top-1 agreement against
 the full cache on identical inputs). Every method is paired with the full cache on the same
 items (McNemar). Results go to a new folder (never overwritten) as JSON, CSV and PNG plots.
 
-    tierattn eval reasoning [--n 200] [--out-root results]
+    tierattn eval reasoning [--full] [--n N] [--out-root results]
 """
 
 from __future__ import annotations
@@ -31,21 +37,39 @@ from tierattn.eval.methods import (METHODS, PAGE_SIZE, RECALL, evict_ratio, grid
                                    plan_cell, sketch_bits)
 from tierattn.eval.metrics import (first_divergence, kl_summary, mcnemar, token_kl, trace_length,
                                    wilson)
-from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
+from tierattn.eval.report import (format_table, new_results_dir, results_summary, save_json,
+                                  write_csv)
 from tierattn.eval.runner import Decoded, decode
 from tierattn.eval.tasks import EOS, PAD, TaskConfig, Vocab, make_examples
 
-__all__ = ["Item", "ReasoningSpec", "TABLE_COLUMNS", "evaluate_items", "run_reasoning"]
+__all__ = ["DEFAULT_METHODS", "Item", "ReasoningSpec", "SECTIONS", "TABLE_COLUMNS",
+           "evaluate_items", "run_reasoning", "verdict"]
+
+#: the default run's methods: the reference, tierattn's two modes, the two strongest eviction
+#: baselines of the full study (SnapKV first at every budget, H2O second on average) and the
+#: oracle (the most any eviction policy could keep)
+DEFAULT_METHODS = ("full", "offload", "topk", "evict-snapkv", "evict-h2o", "oracle")
+#: every section, in the order they run (the default runs "main" alone)
+SECTIONS = ("main", "grid", "one_hop", "filler")
 
 
 @dataclass(frozen=True)
 class ReasoningSpec:
     """What :func:`run_reasoning` measures.
 
+    The defaults are the quick run (the main section, :data:`DEFAULT_METHODS`, 400 items: a
+    Wilson 95% interval is at most +-4.9 points at any accuracy); :meth:`full_study` is the
+    whole study.
+
     Attributes:
-        n: items per task (every cell of a task uses the same items).
+        n: items per task (every cell of a task uses the same items; the first ``n`` of a seed
+            are the same whatever ``n``, so a run shares its first items with a smaller one).
         budgets: HBM ratios of the main section.
         methods: methods of the main section and the controls (``full`` is always run).
+        sections: which of :data:`SECTIONS` run.
+        teacher_forcing: also decode each cell teacher-forced on the gold answer, for token KL
+            and top-1 agreement with the full cache (the full study does; the default run
+            judges greedy answers and bytes alone, in half the time).
         grid_hbm, grid_evict: the HBM ratio x eviction ratio grid (``hbm + evict <= 1``).
         control_budget: HBM ratio of the 1-hop and filler controls.
         page_size: tokens per page.
@@ -56,9 +80,11 @@ class ReasoningSpec:
         batch_size: items decoded together.
     """
 
-    n: int = 200
+    n: int = 400
     budgets: tuple[float, ...] = (0.25, 0.5, 0.75)
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    sections: tuple[str, ...] = ("main",)
+    teacher_forcing: bool = False
     grid_hbm: tuple[float, ...] = (0.2, 0.35, 0.5)
     grid_evict: tuple[float, ...] = (0.0, 0.25, 0.5)
     control_budget: float = 0.25
@@ -79,6 +105,16 @@ class ReasoningSpec:
                                      "lower grid_hbm or grid_evict.")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}.")
+        bad = [x for x in self.sections if x not in SECTIONS]
+        if bad or not self.sections:
+            raise ValueError(f"sections: {bad or 'none'} given; choose among {SECTIONS}.")
+
+    @classmethod
+    def full_study(cls, **kw) -> ReasoningSpec:
+        """The whole study: every method of :data:`METHODS`, the HBM x eviction grid and the
+        two controls, on 200 items per task (``kw`` overrides any field)."""
+        return cls(**{"n": 200, "methods": METHODS, "sections": SECTIONS,
+                      "teacher_forcing": True, **kw})
 
 
 def tasks(vocab: Vocab) -> dict[str, TaskConfig]:
@@ -121,7 +157,7 @@ class _Reference:
     greedy: list[list[int]]
     correct: list[bool]
     forced: list[list[int]]
-    tf: torch.Tensor  # [B, S, V] log-probs under teacher forcing
+    tf: torch.Tensor | None  # [B, S, V] log-probs under teacher forcing (None: not run)
     lengths: list[int]
 
 
@@ -168,13 +204,16 @@ def _teacher_forced(model, items, config, ref: _Reference, greedy: list[list[int
     return tf
 
 
-def _reference(model, items, *, steps, eos_id, pad_id, batch_size) -> _Reference:
+def _reference(model, items, *, steps, eos_id, pad_id, batch_size,
+               teacher_forcing: bool = True) -> _Reference:
     greedy, _, _ = _decode_batched(model, items, None, steps=steps, eos_id=eos_id, pad_id=pad_id,
                                    batch_size=batch_size)
     # teacher forcing on the gold answer, or on the full cache's own trace when there is none
     forced = [it.answer if it.answer else g for it, g in zip(items, greedy)]
-    _, tf, _ = _decode_batched(model, items, None, steps=steps, forced=forced, eos_id=eos_id,
-                               pad_id=pad_id, batch_size=batch_size)
+    tf = None
+    if teacher_forcing:
+        _, tf, _ = _decode_batched(model, items, None, steps=steps, forced=forced,
+                                   eos_id=eos_id, pad_id=pad_id, batch_size=batch_size)
     return _Reference(greedy, [bool(it.correct(g)) for it, g in zip(items, greedy)], forced, tf,
                       [len(f) for f in forced])
 
@@ -208,11 +247,15 @@ def _traffic(stats: list, num_layers: int, prompt_tokens: int) -> dict:
 
 def evaluate_items(model, items: list[Item], runs: list[dict], *, steps: int, eos_id: int,
                    pad_id: int, batch_size: int = 200, desc: str = "cells",
-                   reference: _Reference | None = None) -> list[dict]:
+                   reference: _Reference | None = None,
+                   teacher_forcing: bool = True) -> list[dict]:
     """Run each of ``runs`` (dicts with ``method``, ``config``, optional ``hbm``/``evict``/
-    ``oracle``) on ``items`` and score it against the full cache; returns one row per run."""
+    ``oracle``) on ``items`` and score it against the full cache; returns one row per run
+    (token KL and top-1 agreement None without ``teacher_forcing``, or when ``reference`` was
+    made without it)."""
     ref = reference or _reference(model, items, steps=steps, eos_id=eos_id, pad_id=pad_id,
-                                  batch_size=batch_size)
+                                  batch_size=batch_size, teacher_forcing=teacher_forcing)
+    teacher_forcing = teacher_forcing and ref.tf is not None
     num_layers = model.config.num_hidden_layers
     prompt_tokens = sum(len(it.prompt) for it in items)
     rows = []
@@ -226,17 +269,25 @@ def evaluate_items(model, items: list[Item], runs: list[dict], *, steps: int, eo
         oracle = run.get("oracle", False)
         common = {"steps": steps, "eos_id": eos_id, "pad_id": pad_id, "batch_size": batch_size,
                   "keep_fraction": run.get("hbm", 1.0), "oracle": oracle}
+        tf = None
         if run["config"] is None:  # the full cache itself: its rows are the reference's
             greedy, tf, stats = ref.greedy, ref.tf, []
         else:
             greedy, greedy_lp, stats = _decode_batched(model, items, run["config"], **common)
-            tf = _teacher_forced(model, items, run["config"], ref, greedy, greedy_lp, common)
+            if teacher_forcing:
+                tf = _teacher_forced(model, items, run["config"], ref, greedy, greedy_lp,
+                                     common)
         ok = [bool(it.correct(g)) for it, g in zip(items, greedy)]
         k, n = sum(ok), len(ok)
         lo, hi = wilson(k, n)
-        valid = torch.arange(tf.shape[1])[None, :] < torch.tensor(ref.lengths)[:, None]
-        kl = token_kl(ref.tf[:, :tf.shape[1]], tf, valid)
-        top1 = (ref.tf[:, :tf.shape[1]].argmax(-1) == tf.argmax(-1))[valid].float().mean()
+        kl_fields = {f"kl_{key}": None for key in kl_summary(torch.zeros(1))}
+        top1 = None
+        if teacher_forcing:
+            valid = torch.arange(tf.shape[1])[None, :] < torch.tensor(ref.lengths)[:, None]
+            kl = token_kl(ref.tf[:, :tf.shape[1]], tf, valid)
+            kl_fields = {f"kl_{key}": v for key, v in kl_summary(kl).items()}
+            top1 = float((ref.tf[:, :tf.shape[1]].argmax(-1) == tf.argmax(-1))[valid]
+                         .float().mean())
         div = [first_divergence(r, g) for r, g in zip(ref.greedy, greedy)]
         diverged = [d for d in div if d is not None]
         groups = sorted({it.group for it in items if it.group is not None}, key=str)
@@ -252,8 +303,8 @@ def evaluate_items(model, items: list[Item], runs: list[dict], *, steps: int, eo
             **{f"acc_{g}": sum(o for o, it in zip(ok, items) if it.group == g) /
                max(1, sum(it.group == g for it in items)) for g in groups},
             "trace_len_ratio": sum(map(len, greedy)) / max(1, sum(map(len, ref.greedy))),
-            **{f"kl_{key}": v for key, v in kl_summary(kl).items()},
-            "top1_agreement": float(top1),
+            **kl_fields,
+            "top1_agreement": top1,
             "greedy_match": sum(d is None for d in div) / n,
             "first_divergence_mean": sum(diverged) / len(diverged) if diverged else None,
             **_traffic(stats, num_layers, prompt_tokens),
@@ -290,17 +341,21 @@ def _plan(spec: ReasoningSpec, max_context: int,
                 "key_tier": cell.key_tier}
 
     others = [m for m in spec.methods if m != "full"]
-    main = [run("full", 1.0, "main")] + [run(m, h, "main") for m in others
-                                         for h in spec.budgets]
-    grid = [{"method": "h2o+offload", "hbm": h, "evict": e, "oracle": False, "held": h,
-             "key_tier": 0.0,
-             "config": grid_config(h, e, page_size=spec.page_size, max_context=max_context,
-                                   backend=spec.backend)}
-            for e in spec.grid_evict for h in spec.grid_hbm]
-    control = {task: [run("full", 1.0, task)] + [run(m, spec.control_budget, task)
-                                                 for m in others]
-               for task in ("one_hop", "filler")}
-    return {"main": main, "grid": grid, **control}
+    plan = {}
+    if "main" in spec.sections:
+        plan["main"] = [run("full", 1.0, "main")] + [run(m, h, "main") for m in others
+                                                     for h in spec.budgets]
+    if "grid" in spec.sections:
+        plan["grid"] = [{"method": "h2o+offload", "hbm": h, "evict": e, "oracle": False,
+                         "held": h, "key_tier": 0.0,
+                         "config": grid_config(h, e, page_size=spec.page_size,
+                                               max_context=max_context, backend=spec.backend)}
+                        for e in spec.grid_evict for h in spec.grid_hbm]
+    for task in ("one_hop", "filler"):
+        if task in spec.sections:
+            plan[task] = [run("full", 1.0, task)] + [run(m, spec.control_budget, task)
+                                                     for m in others]
+    return plan
 
 
 def run_reasoning(spec: ReasoningSpec | None = None, *, model_dir: str | Path | None = None,
@@ -316,25 +371,30 @@ def run_reasoning(spec: ReasoningSpec | None = None, *, model_dir: str | Path | 
     spec = spec or ReasoningSpec()
     model, vocab = load_reasoner(model_dir)
     started = time.time()
-    task_cfgs = tasks(vocab)
-    examples = {name: make_examples(cfg, spec.n, seed=spec.seed + i)
-                for i, (name, cfg) in enumerate(task_cfgs.items())}
+    # the tasks the sections use ("grid" runs on the main task's items); a task's seed does
+    # not depend on which others run
+    seeds = {name: spec.seed + i for i, name in enumerate(tasks(vocab))}
+    task_cfgs = {name: cfg for name, cfg in tasks(vocab).items()
+                 if name in spec.sections or (name == "main" and "grid" in spec.sections)}
+    examples = {name: make_examples(cfg, spec.n, seed=seeds[name])
+                for name, cfg in task_cfgs.items()}
     longest = max(len(e.prompt) for ex in examples.values() for e in ex)
     steps = max(cfg.hop_range[1] for cfg in task_cfgs.values()) + 4  # room to over-generate
     max_context = -(-(longest + steps + spec.page_size) // spec.page_size) * spec.page_size
     shortest = {name: min(len(e.prompt) for e in ex) for name, ex in examples.items()}
     plan = _plan(spec, max_context, shortest)
     cells = []
-    sections = [("main", "main"), ("grid", "main"), ("one_hop", "one_hop"),
-                ("filler", "filler")]
+    sections = [(x, "main" if x == "grid" else x) for x in SECTIONS if x in spec.sections]
     refs: dict[str, _Reference] = {}
     for section, task in tqdm(sections, desc="reasoning eval"):
         items = _pointer_items(examples[task])
         if task not in refs:
             refs[task] = _reference(model, items, steps=steps, eos_id=EOS, pad_id=PAD,
-                                    batch_size=spec.batch_size)
+                                    batch_size=spec.batch_size,
+                                    teacher_forcing=spec.teacher_forcing)
         rows = evaluate_items(model, items, plan[section], steps=steps, eos_id=EOS, pad_id=PAD,
-                              batch_size=spec.batch_size, desc=section, reference=refs[task])
+                              batch_size=spec.batch_size, desc=section, reference=refs[task],
+                              teacher_forcing=spec.teacher_forcing)
         cells += [{"section": section, "task": task, **r} for r in rows]
     folder = Path(model_dir) if model_dir is not None else SHIPPED
     result = {
@@ -351,6 +411,7 @@ def run_reasoning(spec: ReasoningSpec | None = None, *, model_dir: str | Path | 
         "minutes": (time.time() - started) / 60,
         "cells": cells,
     }
+    result["verdict"] = verdict(cells)
     result["out"] = str(write_results(result, out_root, plots=plots)) if out_root else None
     return result
 
@@ -376,6 +437,112 @@ def write_results(result: dict, out_root: str | Path, *, plots: bool = True) -> 
     return out
 
 
+#: how far (accuracy points) ``topk`` may fall below the full cache and still "keep" it
+TOPK_TOLERANCE = 0.03
+
+
+def verdict(cells: list[dict]) -> dict:
+    """The answer the eval exists for, from the main section's cells: does offload keep the full
+    cache's accuracy, does ``topk`` come within :data:`TOPK_TOLERANCE` of it on a fraction of
+    offload's bytes, and how far does the best eviction baseline fall, at each budget.
+
+    Returns:
+        ``{"full": accuracy, "budgets": {hbm: {method: {"accuracy", "ci_low", "ci_high",
+        "delta", "mcnemar_p", "bytes_vs_offload"}, "best_eviction": method}}, "claims": {name:
+        bool}, "lines": [str]}``; a claim is listed only when its methods ran.
+    """
+    main = [c for c in cells if c.get("section", "main") == "main" and c.get("feasible", True)]
+    full = next((c for c in main if c["method"] == "full"), None)
+    if full is None:
+        return {"full": None, "budgets": {}, "claims": {}, "lines": []}
+    budgets: dict[float, dict] = {}
+    for c in main:
+        if c["method"] == "full":
+            continue
+        budgets.setdefault(c["hbm"], {})[c["method"]] = {
+            "accuracy": c["accuracy"], "ci_low": c["ci_low"], "ci_high": c["ci_high"],
+            "delta": c["accuracy"] - full["accuracy"], "mcnemar_p": c["mcnemar_p"],
+            "h2d_bytes_per_token": c["h2d_bytes_per_token"]}
+    for row in budgets.values():
+        off = row.get("offload", {}).get("h2d_bytes_per_token")
+        for m in row.values():
+            m["bytes_vs_offload"] = m["h2d_bytes_per_token"] / off if off else None
+        evictions = [m for m in row if m.startswith("evict")]
+        row["best_eviction"] = max(evictions, key=lambda m: row[m]["accuracy"], default=None)
+    order = sorted(budgets)
+    claims, lines = {}, []
+    have = {m for row in budgets.values() for m in row if m != "best_eviction"}
+    pct = lambda b: f"{b:.0%}"  # noqa: E731
+    if "offload" in have:
+        ok = all(budgets[b]["offload"]["mcnemar_p"] >= 0.05 for b in order
+                 if "offload" in budgets[b])
+        claims["offload_keeps_full"] = ok
+        worst = min(budgets[b]["offload"]["delta"] for b in order if "offload" in budgets[b])
+        lines.append(f"offload keeps the full cache's accuracy at every budget (McNemar "
+                     f"p >= 0.05): {'yes' if ok else 'NO'} (largest drop "
+                     f"{max(0.0, -worst) * 100:.1f} points)")
+    if "topk" in have:
+        rows = [budgets[b]["topk"] for b in order if "topk" in budgets[b]]
+        ok = all(r["delta"] >= -TOPK_TOLERANCE for r in rows)
+        claims["topk_within_tolerance"] = ok
+        ratios = [r["bytes_vs_offload"] for r in rows if r["bytes_vs_offload"] is not None]
+        bytes_note = f", on {min(ratios):.0%}-{max(ratios):.0%} of offload's bytes" \
+            if ratios else ""
+        lines.append(f"topk within {TOPK_TOLERANCE * 100:.0f} points of the full cache at "
+                     f"every budget: {'yes' if ok else 'NO'} (largest drop "
+                     f"{max(0.0, -min(r['delta'] for r in rows)) * 100:.1f} points{bytes_note})")
+    best = [(b, budgets[b]["best_eviction"]) for b in order if budgets[b]["best_eviction"]]
+    if best:
+        lines.append("best eviction baseline: " + "; ".join(
+            f"{m} at {pct(b)} HBM {budgets[b][m]['accuracy']:.3f} "
+            f"({-budgets[b][m]['delta'] * 100:.1f} points below the full cache)"
+            for b, m in best))
+        for name, method in (("offload_beats_eviction", "offload"),
+                             ("topk_beats_eviction", "topk")):
+            if method in have:
+                # separated intervals: the method's lower bound above eviction's upper bound
+                claims[name] = all(budgets[b][method]["ci_low"] > budgets[b][m]["ci_high"]
+                                   for b, m in best if method in budgets[b])
+                lines.append(f"{method} above the best eviction at every budget (95% "
+                             f"intervals apart): {'yes' if claims[name] else 'NO'}")
+    if "oracle" in have:
+        lines.append("oracle eviction (keeps the edges the answer needs): " + ", ".join(
+            f"{budgets[b]['oracle']['accuracy']:.3f} at {pct(b)}" for b in order
+            if "oracle" in budgets[b]))
+    return {"full": full["accuracy"], "budgets": budgets, "claims": claims, "lines": lines}
+
+
+def verdict_table(result: dict) -> str:
+    """The verdict as text: accuracy [95% interval] per method and budget, ``topk``'s bytes as
+    a share of offload's, then the claims."""
+    v = result.get("verdict") or verdict(result["cells"])
+    if v["full"] is None:
+        return ""
+    order = sorted(v["budgets"])
+    methods = list(dict.fromkeys(m for b in order for m in v["budgets"][b]
+                                 if m != "best_eviction"))
+    full = next(c for c in result["cells"] if c.get("section", "main") == "main"
+                and c["method"] == "full")
+    ref = f"{full['accuracy']:.3f} [{full['ci_low']:.3f}, {full['ci_high']:.3f}]"
+    rows = [{"method": "full cache (no budget)", **{f"{b:g}": ref for b in order}}]
+    for m in methods:
+        row = {"method": m}
+        for b in order:
+            x = v["budgets"][b].get(m)
+            if x is None:
+                continue
+            share = x.get("bytes_vs_offload")
+            note = f"  {share:.0%} B" if share is not None and m != "offload" and share else ""
+            row[f"{b:g}"] = f"{x['accuracy']:.3f} [{x['ci_low']:.3f}, {x['ci_high']:.3f}]{note}"
+        rows.append(row)
+    table = format_table(rows, [("method", "method", "")] +
+                         [(f"HBM {b:.0%}", f"{b:g}", "") for b in order])
+    return "\n".join(["verdict: exact-chain accuracy [Wilson 95%] at equal HBM bytes "
+                      "(B: H2D bytes per token as a share of offload's)", table, ""] +
+                     [f"- {line}" for line in v["lines"]])
+
+
 def summary(result: dict) -> str:
-    """The printed table and the paths of the files and plots."""
-    return results_summary(result, TABLE_COLUMNS)
+    """The verdict, then the table of every cell (``--full``: every section) and the paths of
+    the files and plots."""
+    return verdict_table(result) + "\n\n" + results_summary(result, TABLE_COLUMNS)

@@ -454,14 +454,19 @@ def paged_prefill_reference(
 
 
 def _paged_prefill_torch(q, kv_pool, page_table, qo_indptr, *, scale, causal, sliding_window,
-                         cap, want_out, mass_lse, want_mass, first_lane, block_q=256):
+                         cap, want_out, mass_lse, want_mass, first_lane, block_q=64,
+                         max_elements=1 << 22):
     """The torch backend of :func:`paged_prefill` and :func:`paged_prefill_mass`: what the
     reference computes, in fp32, without its copies per query head (the group's heads share a
-    batched matmul against their KV head) and over ``block_q`` query rows at a time (one
-    softmax pass, in place), so that a long prompt costs about what dense attention does.
+    batched matmul against their KV head), over ``block_q`` query rows at a time so that a
+    causal block sees no page past its last query (about half the square, as dense attention
+    does), and over every sequence of one shape at once: a left-padded batch (one page count,
+    one chunk length) is one batched matmul per block, not a Python loop over its sequences.
 
-    Returns ``(out, lse, mass)``; ``out``/``lse`` are None unless ``want_out``, ``mass`` None
-    unless ``want_mass`` (normalised by ``mass_lse`` when given, else by the call's own LSE).
+    Score blocks hold at most ``max_elements`` fp32 values (16 MiB: sequences of a shape are
+    split to fit; smaller blocks stay in cache through the softmax's passes). Returns ``(out,
+    lse, mass)``; ``out``/``lse`` are None unless ``want_out``, ``mass`` None unless
+    ``want_mass`` (normalised by ``mass_lse`` when given, else by the call's own LSE).
     """
     total_q, hq, d = q.shape
     page_size, hkv = kv_pool.shape[2], kv_pool.shape[3]
@@ -472,59 +477,84 @@ def _paged_prefill_torch(q, kv_pool, page_table, qo_indptr, *, scale, causal, sl
     bounds = qo_indptr.tolist()  # host tables: the torch backend plans on the host, as the
     starts = page_table.row_start.tolist()  # reference does (it is not the decode hot path)
     counts, lasts = page_table.row_count.tolist(), page_table.last_page_len.tolist()
-    for b, (start, count, last) in enumerate(zip(starts, counts, lasts)):
-        q0, q1 = bounds[b], bounds[b + 1]
-        if q1 == q0 or count == 0:
-            continue
-        slots = page_table.indices[start:start + count].long()
+    shapes: dict[tuple[int, int, int], list[int]] = {}
+    for b, (count, last) in enumerate(zip(counts, lasts)):
+        if bounds[b + 1] > bounds[b] and count > 0:
+            shapes.setdefault((count, last, bounds[b + 1] - bounds[b]), []).append(b)
+    qs = q.float() * scale  # the scale folded into the queries: one pass over T x D, not T x N
+    for (count, last, t), seqs in shapes.items():
         n_pad = count * page_size
         n_tok = n_pad - page_size + last
-        kv = kv_pool[slots].float()  # [count, 2, P, H_kv, D]
-        keys = kv[:, 0].permute(2, 3, 0, 1).reshape(hkv, d, n_pad)  # [H_kv, D, N]
-        values = kv[:, 1].permute(2, 0, 1, 3).reshape(hkv, n_pad, d)  # [H_kv, N, D]
-        pos_k = torch.arange(n_pad, device=dev)
-        keep = pos_k < n_tok
-        if first_lane is not None:  # left padding: lanes before first_lane[e] are masked
-            first = first_lane[start:start + count].long().repeat_interleave(page_size)
-            keep &= pos_k % page_size >= first
-        values = torch.where(keep[None, :, None], values, 0.0)  # masked lanes may be garbage
-        for i0 in range(q0, q1, block_q):
-            i1 = min(q1, i0 + block_q)
-            rows = i1 - i0
-            first_q = n_tok - (q1 - q0) + (i0 - q0)
-            pos_q = torch.arange(first_q, first_q + rows, device=dev)
-            # causal: the block sees no page past its last query's
-            hi = min(n_pad, -(-(first_q + rows) // page_size) * page_size) if causal else n_pad
-            qb = q[i0:i1].float().view(rows, hkv, group, d).permute(1, 2, 0, 3)
-            s = torch.matmul(qb.reshape(hkv, group * rows, d), keys[:, :, :hi]).mul_(scale)
-            s = s.view(hkv, group, rows, hi)  # [H_kv, G, rows, N']
-            if cap:
-                s = s.div_(cap).tanh_().mul_(cap)
-            visible = keep[None, :hi].expand(rows, hi)
-            if causal:
-                visible = visible & (pos_k[None, :hi] <= pos_q[:, None])
-            if sliding_window is not None:
-                visible = visible & (pos_q[:, None] - pos_k[None, :hi] < sliding_window)
-            s.masked_fill_(~visible, neg)
+        rows_q = t if not causal else min(t, block_q)
+        per_seq = hq * rows_q * n_pad
+        for s0 in range(0, len(seqs), max(1, max_elements // per_seq)):
+            part = seqs[s0:s0 + max(1, max_elements // per_seq)]
+            _prefill_shape(qs, kv_pool, page_table, first_lane, out, lse, mass, mass_lse,
+                           seqs=torch.tensor(part, device=dev),
+                           q_start=torch.tensor([bounds[b] for b in part], device=dev),
+                           e_start=torch.tensor([starts[b] for b in part], device=dev),
+                           count=count, n_tok=n_tok, t=t, rows_q=rows_q, causal=causal,
+                           window=sliding_window, cap=cap, group=group)
+    return out, lse, mass
+
+
+def _prefill_shape(qs, kv_pool, page_table, first_lane, out, lse, mass, mass_lse, *, seqs,
+                   q_start, e_start, count, n_tok, t, rows_q, causal, window, cap, group):
+    """:func:`_paged_prefill_torch` for ``S`` sequences of one shape: ``count`` pages holding
+    ``n_tok`` tokens, ``t`` queries each (the last ``t`` positions), ``rows_q`` at a time."""
+    page_size, hkv, d = kv_pool.shape[2], kv_pool.shape[3], kv_pool.shape[4]
+    dev, neg, n_seq = qs.device, float("-inf"), seqs.numel()
+    n_pad = count * page_size
+    entries = e_start[:, None] + torch.arange(count, device=dev)  # [S, count]
+    kv = kv_pool[page_table.indices[entries].long()].float()  # [S, count, 2, P, H_kv, D]
+    keys = kv[:, :, 0].permute(0, 3, 4, 1, 2).reshape(n_seq, hkv, d, n_pad)  # [S, H_kv, D, N]
+    values = kv[:, :, 1].permute(0, 3, 1, 2, 4).reshape(n_seq, hkv, n_pad, d)  # [S, H_kv, N, D]
+    pos_k = torch.arange(n_pad, device=dev)
+    keep = (pos_k < n_tok).expand(n_seq, n_pad)  # [S, N]
+    if first_lane is not None:  # left padding: lanes before first_lane[e] are masked
+        first = first_lane[entries].long().repeat_interleave(page_size, dim=1)
+        keep = keep & (pos_k % page_size >= first)
+    values = torch.where(keep[:, None, :, None], values, 0.0)  # masked lanes may be garbage
+    for i0 in range(0, t, rows_q):
+        rows = min(t, i0 + rows_q) - i0
+        first_q = n_tok - t + i0
+        pos_q = torch.arange(first_q, first_q + rows, device=dev)
+        # causal: the block sees no page past its last query's
+        hi = min(n_pad, -(-(first_q + rows) // page_size) * page_size) if causal else n_pad
+        q_rows = q_start[:, None] + i0 + torch.arange(rows, device=dev)  # [S, rows]
+        qb = qs[q_rows].view(n_seq, rows, hkv, group, d).permute(0, 2, 3, 1, 4)
+        s = torch.matmul(qb.reshape(n_seq, hkv, group * rows, d), keys[..., :hi])
+        s = s.view(n_seq, hkv, group, rows, hi)
+        if cap:
+            s = s.div_(cap).tanh_().mul_(cap)
+        visible = keep[:, None, :hi]  # [S, 1 | rows, N']
+        if causal:
+            visible = visible & (pos_k[None, None, :hi] <= pos_q[None, :, None])
+        if window is not None:
+            visible = visible & (pos_q[None, :, None] - pos_k[None, None, :hi] < window)
+        s.masked_fill_(~visible[:, None, None], neg)
+        if mass_lse is not None:  # normalised by the given LSE: exp(s - lse)
+            norm = mass_lse[q_rows].float().view(n_seq, rows, hkv, group).permute(0, 2, 3, 1)
+            p = s.sub_(torch.where(torch.isinf(norm), float("inf"), norm)[..., None]).exp_()
+            weight = None
+        else:
             row_max = s.amax(dim=-1, keepdim=True)
             shift = torch.where(torch.isinf(row_max), 0.0, row_max)
-            if mass_lse is not None:  # normalised by the given LSE: exp(s - lse)
-                norm = mass_lse[i0:i1].float().T.reshape(hkv, group, rows, 1)
-                p = s.sub_(torch.where(torch.isinf(norm), float("inf"), norm)).exp_()
-            else:
-                p = s.sub_(shift).exp_()
-                denom = p.sum(dim=-1, keepdim=True)
-                if want_out:
-                    o = torch.matmul(p.view(hkv, group * rows, hi), values[:, :hi])
-                    o = o.view(hkv, group, rows, d) / denom.clamp_min(1e-30)
-                    out[i0:i1] = o.permute(2, 0, 1, 3).reshape(rows, hq, d)
-                    row_lse = (shift + denom.log()).squeeze(-1)  # -inf where nothing is seen
-                    lse[i0:i1] = row_lse.permute(2, 0, 1).reshape(rows, hq)
-                p = p.div_(denom.clamp_min(1e-30))
-            if want_mass:
-                per_page = p.view(hkv, group * rows, hi // page_size, page_size).sum(dim=(1, 3))
-                mass[start:start + hi // page_size] += per_page.T
-    return out, lse, mass
+            p = s.sub_(shift).exp_()
+            denom = p.sum(dim=-1, keepdim=True)
+            weight = 1.0 / denom.clamp_min(1e-30)  # [S, H_kv, G, rows, 1]
+            if out is not None:
+                o = torch.matmul(p.view(n_seq, hkv, group * rows, hi), values[:, :, :hi])
+                o = o.view(n_seq, hkv, group, rows, d) * weight
+                out[q_rows] = o.permute(0, 3, 1, 2, 4).reshape(n_seq, rows, hkv * group, d)
+                row_lse = (shift + denom.log()).squeeze(-1)  # -inf where nothing is seen
+                lse[q_rows] = row_lse.permute(0, 3, 1, 2).reshape(n_seq, rows, hkv * group)
+        if mass is not None:  # sum over the group's heads and the block's rows of p / denom
+            flat = p.view(n_seq, hkv, 1, group * rows, hi)
+            per_tok = flat.sum(-2) if weight is None else torch.matmul(
+                weight.reshape(n_seq, hkv, 1, 1, group * rows), flat).squeeze(-2)
+            per_page = per_tok.view(n_seq, hkv, hi // page_size, page_size).sum(-1)
+            mass[entries[:, :hi // page_size]] += per_page.transpose(1, 2)
 
 
 def paged_prefill(

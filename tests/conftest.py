@@ -48,11 +48,14 @@ def pytest_configure(config: pytest.Config) -> None:
     # one folder per run, made by the xdist controller (or a plain run); workers inherit the path
     if not hasattr(config, "workerinput"):
         os.environ["TIERATTN_FIGURES_DIR"] = tempfile.mkdtemp(prefix="tierattn-figures-")
+        # cached eval references (tierattn.eval.fidelity) stay inside the run, not in ~/.cache
+        os.environ["TIERATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tierattn-cache-")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ.pop("TIERATTN_FIGURES_DIR", ""), ignore_errors=True)
+        shutil.rmtree(os.environ.pop("TIERATTN_CACHE_DIR", ""), ignore_errors=True)
 
 
 def _figures_dir() -> Path:

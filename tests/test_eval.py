@@ -202,8 +202,8 @@ def test_reasoning_eval_end_to_end(reasoner, tmp_path):
     from tierattn.eval.cli import main
 
     _, _, folder = reasoner
-    argv = ["eval", "reasoning", "--model", str(folder), "--n", "4", "--budgets", "0.5",
-            "--out-root", str(tmp_path), "--backend", "torch"]
+    argv = ["eval", "reasoning", "--full", "--model", str(folder), "--n", "4", "--budgets",
+            "0.5", "--out-root", str(tmp_path), "--backend", "torch"]
     assert main(argv) == 0
     (out,) = tmp_path.iterdir()
     result = json.loads((out / "results.json").read_text())
@@ -230,6 +230,89 @@ def test_reasoning_eval_end_to_end(reasoner, tmp_path):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert main(argv) == 0  # a second run gets its own folder
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_reasoning_default_run(reasoner, tmp_path, capsys):
+    """The default run is the main section alone with the default methods, and prints and
+    saves the verdict."""
+    from tierattn.eval.cli import main
+    from tierattn.eval.reasoning import DEFAULT_METHODS
+
+    _, _, folder = reasoner
+    assert main(["eval", "reasoning", "--model", str(folder), "--n", "3", "--budgets", "0.5",
+                 "--out-root", str(tmp_path), "--backend", "torch"]) == 0
+    (out,) = tmp_path.iterdir()
+    result = json.loads((out / "results.json").read_text())
+    assert result["spec"]["n"] == 3 and result["spec"]["sections"] == ["main"]
+    assert {c["section"] for c in result["cells"]} == {"main"}
+    assert [c["method"] for c in result["cells"]] == list(DEFAULT_METHODS)
+    assert all(c["kl_mean"] is None and c["top1_agreement"] is None for c in result["cells"])
+    v = result["verdict"]
+    assert set(v["budgets"]["0.5"]) == set(DEFAULT_METHODS[1:]) | {"best_eviction"}
+    assert v["claims"]["offload_keeps_full"]  # offload is exact
+    printed = capsys.readouterr().out
+    assert printed.startswith("verdict:") and "offload keeps the full cache" in printed
+
+
+def _cell(method, hbm, acc, n=400, h2d=0.0, p=1.0):
+    from tierattn.eval.metrics import wilson
+
+    lo, hi = wilson(round(acc * n), n)
+    return {"section": "main", "method": method, "hbm": hbm, "feasible": True, "accuracy": acc,
+            "ci_low": lo, "ci_high": hi, "mcnemar_p": p, "h2d_bytes_per_token": h2d}
+
+
+def test_verdict_claims():
+    """The verdict's claims follow the cells: each flips when its condition does."""
+    from tierattn.eval.reasoning import ReasoningSpec, verdict, verdict_table
+
+    def cells(topk_acc, off_p=1.0, snap_acc=0.4):
+        return [_cell("full", 1.0, 0.99)] + [
+            c for b in (0.25, 0.5) for c in (
+                _cell("offload", b, 0.99, h2d=1000.0, p=off_p),
+                _cell("topk", b, topk_acc, h2d=250.0),
+                _cell("evict-snapkv", b, snap_acc), _cell("evict-h2o", b, 0.1),
+                _cell("oracle", b, 0.9))]
+
+    good = verdict(cells(0.97))
+    assert good["claims"] == {"offload_keeps_full": True, "topk_within_tolerance": True,
+                              "offload_beats_eviction": True, "topk_beats_eviction": True}
+    assert good["budgets"][0.25]["best_eviction"] == "evict-snapkv"
+    assert good["budgets"][0.25]["topk"]["bytes_vs_offload"] == 0.25
+    assert not verdict(cells(0.95))["claims"]["topk_within_tolerance"]  # 4 points below
+    assert not verdict(cells(0.97, off_p=0.01))["claims"]["offload_keeps_full"]
+    close = verdict(cells(0.97, snap_acc=0.97))["claims"]
+    assert not close["topk_beats_eviction"] and close["offload_beats_eviction"] is False
+    table = verdict_table({"cells": cells(0.97)})
+    assert "25% B" in table and "full cache (no budget)" in table
+    assert verdict([c for c in cells(0.97) if c["method"] != "full"])["claims"] == {}
+    # the default run: +-5 points at any accuracy; the full study keeps every section
+    from tierattn.eval.metrics import wilson
+    lo, hi = wilson(ReasoningSpec().n // 2, ReasoningSpec().n)
+    assert (hi - lo) / 2 <= 0.05
+    assert ReasoningSpec.full_study().sections == ("main", "grid", "one_hop", "filler")
+    with pytest.raises(ValueError, match="sections"):
+        ReasoningSpec(sections=("nope",))
+
+
+def test_fidelity_merged_cells(tmp_path):
+    """Cells of a grid's folders, one per (method, HBM): a later folder's row wins."""
+    from tierattn.eval.fidelity import merged_cells
+
+    def folder(name, cells):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"cells": cells}))
+        return tmp_path / name
+
+    a = folder("b0.25", [{"method": "full", "hbm": 1.0, "kl_mean": 0.0},
+                         {"method": "topk", "hbm": 0.25, "kl_mean": 0.009}])
+    b = folder("b0.25-2", [{"method": "full", "hbm": 1.0, "kl_mean": 0.0},
+                           {"method": "topk", "hbm": 0.25, "kl_mean": 0.004}])
+    c = folder("b0.1", [{"method": "topk", "hbm": 0.1, "kl_mean": 0.02}])
+    rows = {(r["method"], r["hbm"]): r for r in merged_cells([a, b, c])}
+    assert set(rows) == {("full", 1.0), ("topk", 0.25), ("topk", 0.1)}
+    assert rows[("topk", 0.25)]["kl_mean"] == 0.004 and rows[("topk", 0.25)]["source"] == "b0.25-2"
+    assert merged_cells([b, a])[1]["kl_mean"] == 0.009  # the order given decides
 
 
 def test_answer_extraction_and_jsonl_errors(tmp_path):

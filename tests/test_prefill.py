@@ -398,6 +398,47 @@ def test_torch_backend_matches_reference(case: Case, device, seed, figures):
     torch.testing.assert_close(again, got.page_mass, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_torch_backend_batches_sequences_of_one_shape(causal, device, seed, figures):
+    """The torch backend runs the sequences that share a shape (page count, last page length,
+    chunk length) as one batch, split to fit its score-block budget: a left-padded batch of six
+    sequences with two others of their own shapes, in 2- and 7-query blocks, with a window and
+    a softcap, meets the rule against the reference, out, LSE and page mass, both with its own
+    softmax and under a given LSE."""
+    from tierattn.kernels.prefill import _paged_prefill_torch
+
+    torch.manual_seed(seed)
+    p, hq, hkv, d = 4, 6, 2, 16
+    kv_lens = [13, 13, 13, 13, 13, 13, 9, 21]
+    q_lens = [13, 13, 13, 13, 13, 13, 3, 21] if causal else [5] * 6 + [3, 8]
+    case = Case(tuple(q_lens), tuple(kv_lens), hq, hkv, d, p, F32, window=11 if causal else None,
+                softcap=30.0, causal=causal)
+    q, pool, pt, qo = _make(case, device)
+    pool = pool.nan_to_num(0.0)  # masked lanes hold values, as a left-padded pool's do
+    first_lane = torch.zeros(pt.indices.numel(), dtype=torch.int32, device=device)
+    for b in range(6):  # left padding: the first page of each batched row starts part-way
+        first_lane[int(pt.row_start[b])] = b % 3
+    kw = dict(scale=d ** -0.5, causal=causal, sliding_window=case.window, cap=30.0,
+              first_lane=first_lane)
+    ref = paged_prefill_reference(q.double(), pool.double(), pt, qo, return_page_mass=True,
+                                  sm_scale=None, causal=causal, sliding_window=case.window,
+                                  softcap=30.0, first_lane=first_lane)
+    for block_q, budget in ((2, 1), (7, 2 * hq * 7 * 16)):  # one sequence per block; two
+        out, lse, mass = _paged_prefill_torch(q, pool, pt, qo, want_out=True, mass_lse=None,
+                                              want_mass=True, block_q=block_q,
+                                              max_elements=budget, **kw)
+        torch.testing.assert_close(out, ref.out.float(), atol=2e-5, rtol=1e-5)
+        seen = ~torch.isinf(ref.lse)
+        assert torch.equal(torch.isinf(lse), ~seen)  # rows that see no key: -inf, out 0
+        torch.testing.assert_close(lse[seen], ref.lse.float()[seen], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(mass, ref.page_mass.float(), atol=1e-4, rtol=1e-5)
+        again = _paged_prefill_torch(q, pool, pt, qo, want_out=False, mass_lse=lse,
+                                     want_mass=True, block_q=block_q, max_elements=budget,
+                                     **kw)[2]
+        torch.testing.assert_close(again, mass, atol=1e-4, rtol=1e-5)
+    figures.count("prefill torch backend: sequences of one shape batched", 2)
+
+
 def test_boundaries(device, seed, figures):
     # head dim 256, window 1, empty batch and all-empty sequences all succeed
     case = Case((5,), (9,), 2, 1, 256, 8, BF16, window=1)

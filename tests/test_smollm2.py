@@ -84,6 +84,38 @@ def test_fidelity_eval_small(smollm2, tmp_path):
     assert saved["complete"] and saved["cells"] == json.loads(json.dumps(result["cells"]))
 
 
+def test_fidelity_reference_cached(smollm2, tmp_path):
+    """The full cache's outputs are computed once per (model, prompts, lengths) and reused: a
+    second run with other methods reads them (and scores identically); a corrupt file is
+    computed again; other prompts get their own entry."""
+    from tierattn.eval.fidelity import FidelitySpec, run_fidelity
+
+    kw = dict(budgets=(0.5,), segments=1, prefix=64, continuation=8, passkey_depths=(0.5,),
+              passkey_trials=1, passkey_tokens=96, pointer_items=0, backend="torch")
+    cache = tmp_path / "cache"
+
+    def run(spec):
+        r = run_fidelity(spec, out_root=None, model_and_tokenizer=smollm2, reference_cache=cache)
+        return {c["method"]: c for c in r["cells"]}
+
+    first = run(FidelitySpec(methods=("offload",), **kw))
+    (entry,) = (cache / "fidelity").iterdir()
+    assert first["full"]["reference"] == "computed"
+    second = run(FidelitySpec(methods=("offload", "evict-h2o"), **kw))
+    assert second["full"]["reference"] == "cached"
+    for key in ("kl_mean", "top1_agreement", "ppl_ratio", "passkey_acc"):
+        assert second["offload"][key] == first["offload"][key], key
+    assert second["evict-h2o"]["kl_mean"] > 0
+    entry.write_bytes(entry.read_bytes()[:100])  # truncated: read fails, computed again
+    assert run(FidelitySpec(methods=("offload",), **kw))["full"]["reference"] == "computed"
+    assert run(FidelitySpec(methods=("offload",), **{**kw, "prefix": 48}))["full"][
+        "reference"] == "computed"
+    assert len(list((cache / "fidelity").iterdir())) == 2
+    off = run_fidelity(FidelitySpec(methods=("offload",), **kw), out_root=None,
+                       model_and_tokenizer=smollm2, reference_cache=None)
+    assert off["cells"][0]["reference"] == "computed"
+
+
 def test_fidelity_run_keeps_finished_cells(smollm2, tmp_path, monkeypatch):
     """A run that stops part-way (here: the second method raises) leaves its finished cells on
     disk, marked incomplete, so hours of a long-context grid are not lost."""
