@@ -466,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "all)")
     ev.add_argument("--full", action="store_true",
                     help="reasoning: the whole study (every method, the HBM x eviction grid, "
-                         "the 1-hop and filler controls; ~17 min on 2 cores) instead of the "
+                         "the 1-hop and filler controls; ~7.5 min on 2 cores) instead of the "
                          "default run (full, offload, topk, SnapKV, H2O, oracle; main task)")
     ev.add_argument("--teacher-forcing", action="store_true",
                     help="reasoning: also teacher-force every cell on the gold answer for token "
