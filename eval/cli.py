@@ -192,6 +192,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if (args.full or args.teacher_forcing) and (args.what != "reasoning" or args.data):
+        raise UsageError("--full and --teacher-forcing belong to the tiny reasoner's eval "
+                         "(tierattn eval reasoning without --data); drop them here")
     if args.what == "keytier":
         from tierattn.eval.keytier import KeyTierSpec, run_keytier, summary
 

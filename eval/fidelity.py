@@ -25,6 +25,7 @@ import json
 import os
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -194,9 +195,11 @@ def cache_dir() -> Path:
 def _model_identity(model) -> str:
     """The model's file (name and size) when it came from one, else a digest of its weights."""
     path = getattr(model, "name_or_path", "") or ""
-    gguf = [f for f in os.listdir(path) if f.endswith(".gguf")] if os.path.isdir(path) else []
-    if gguf:
-        return f"{gguf[0]}:{os.path.getsize(os.path.join(path, gguf[0]))}"
+    gguf = sorted(f for f in os.listdir(path) if f.endswith(".gguf")) if os.path.isdir(path) \
+        else []
+    if gguf:  # the files' names, sizes and modification times: a re-exported file differs
+        return ";".join(f"{f}:{st.st_size}:{st.st_mtime_ns}" for f in gguf
+                        for st in [os.stat(os.path.join(path, f))])
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
@@ -209,6 +212,7 @@ def _reference_key(model, prompts: dict[str, list[list[int]]], steps: dict[str, 
     import transformers
 
     blob = json.dumps({"model": _model_identity(model), "dtype": str(model.dtype),
+                       "attention": str(getattr(model.config, "_attn_implementation", None)),
                        "prompts": prompts, "steps": steps, "torch": torch.__version__,
                        "transformers": transformers.__version__}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -228,14 +232,22 @@ def _load_reference(path: Path) -> tuple[Decoded, list[bool], list[bool]] | None
 
 
 def _save_reference(path: Path, tf: Decoded, pk_ok: list[bool], ptr_ok: list[bool]) -> None:
-    """Write the reference atomically (a temporary file renamed over the name)."""
+    """Write the reference atomically (a temporary file renamed over the name). A cache that
+    cannot be written (read-only, full, a file in the way) costs a warning, not the run."""
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    save_file({"tokens": tf.tokens.contiguous(), "logprobs": tf.logprobs.contiguous()}, str(tmp),
-              metadata={"reference": json.dumps({"passkey": pk_ok, "pointer": ptr_ok})})
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"tokens": tf.tokens.contiguous(), "logprobs": tf.logprobs.contiguous()},
+                  str(tmp), metadata={"reference": json.dumps({"passkey": pk_ok,
+                                                               "pointer": ptr_ok})})
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        warnings.warn(f"tierattn: the full-cache reference was not cached ({e}); set "
+                      "TIERATTN_CACHE_DIR to a writable folder to reuse it.", stacklevel=2)
 
 
 def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | None = "results",
@@ -347,10 +359,10 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
         }
         rows.append(row)
         _save(result, out, started)  # after every cell: a long run that stops keeps its cells
-    result["complete"] = True
     if out is not None:
         from tierattn.eval.plots import fidelity_plots
         result["plots"] = [str(p) for p in fidelity_plots(rows, out)]
+    result["complete"] = True
     _save(result, out, started)
     return result
 

@@ -463,8 +463,9 @@ def _paged_prefill_torch(q, kv_pool, page_table, qo_indptr, *, scale, causal, sl
     does), and over every sequence of one shape at once: a left-padded batch (one page count,
     one chunk length) is one batched matmul per block, not a Python loop over its sequences.
 
-    Score blocks hold at most ``max_elements`` fp32 values (16 MiB: sequences of a shape are
-    split to fit; smaller blocks stay in cache through the softmax's passes). Returns ``(out,
+    A block's scores and gathered KV hold about ``max_elements`` fp32 values (16 MiB): fewer
+    rows per block for long sequences, fewer sequences per batch; one sequence's single query
+    row over its whole context is the floor (``H_q x N`` scores). Returns ``(out,
     lse, mass)``; ``out``/``lse`` are None unless ``want_out``, ``mass`` None unless
     ``want_mass`` (normalised by ``mass_lse`` when given, else by the call's own LSE).
     """
@@ -482,13 +483,17 @@ def _paged_prefill_torch(q, kv_pool, page_table, qo_indptr, *, scale, causal, sl
         if bounds[b + 1] > bounds[b] and count > 0:
             shapes.setdefault((count, last, bounds[b + 1] - bounds[b]), []).append(b)
     qs = q.float() * scale  # the scale folded into the queries: one pass over T x D, not T x N
+    d = q.shape[2]
     for (count, last, t), seqs in shapes.items():
         n_pad = count * page_size
         n_tok = n_pad - page_size + last
-        rows_q = t if not causal else min(t, block_q)
-        per_seq = hq * rows_q * n_pad
-        for s0 in range(0, len(seqs), max(1, max_elements // per_seq)):
-            part = seqs[s0:s0 + max(1, max_elements // per_seq)]
+        rows_q = max(1, min(t, block_q, max_elements // (hq * n_pad)))
+        # a sequence's share: its score block and its KV gathered in fp32 (three copies: the
+        # cast, keys and values laid out for the matmuls)
+        per_seq = hq * rows_q * n_pad + 3 * 2 * hkv * d * n_pad
+        batch = max(1, max_elements // per_seq)
+        for s0 in range(0, len(seqs), batch):
+            part = seqs[s0:s0 + batch]
             _prefill_shape(qs, kv_pool, page_table, first_lane, out, lse, mass, mass_lse,
                            seqs=torch.tensor(part, device=dev),
                            q_start=torch.tensor([bounds[b] for b in part], device=dev),
@@ -521,6 +526,8 @@ def _prefill_shape(qs, kv_pool, page_table, first_lane, out, lse, mass, mass_lse
         pos_q = torch.arange(first_q, first_q + rows, device=dev)
         # causal: the block sees no page past its last query's
         hi = min(n_pad, -(-(first_q + rows) // page_size) * page_size) if causal else n_pad
+        if hi <= 0:  # more queries than keys (unvalidated input): these rows see nothing
+            continue
         q_rows = q_start[:, None] + i0 + torch.arange(rows, device=dev)  # [S, rows]
         qb = qs[q_rows].view(n_seq, rows, hkv, group, d).permute(0, 2, 3, 1, 4)
         s = torch.matmul(qb.reshape(n_seq, hkv, group * rows, d), keys[..., :hi])

@@ -10,6 +10,7 @@ otherwise. ``update`` returns the new tokens' K/V unchanged: no model served her
 from __future__ import annotations
 
 import contextvars
+import copy
 import weakref
 
 import torch
@@ -41,6 +42,18 @@ class _TieredLayer(CacheLayerMixin):
         # a weak reference: the owner holds its layers, and a cycle would keep a dropped
         # cache's pools (GBs) allocated until the cyclic collector happened to run
         self._owner, self.layer_idx = weakref.ref(owner), layer_idx
+
+    def __deepcopy__(self, memo: dict) -> _TieredLayer:
+        # a copy of the cache (``copy.deepcopy(cache)``, a fork of every sequence's state)
+        # hands its layers a reference to the copied owner, not to the original
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key != "_owner":
+                setattr(new, key, copy.deepcopy(value, memo))
+        owner = self._owner()
+        new._owner = self._owner if owner is None else weakref.ref(copy.deepcopy(owner, memo))
+        return new
 
     @property
     def owner(self) -> TieredCache:

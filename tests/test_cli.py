@@ -29,6 +29,8 @@ CASES = [
     (["eval", "reasoning", "--model", "/nonexistent"], "--model"),
     (["eval", "reasoning", "--data", "/nonexistent.jsonl"], "--data"),
     (["eval", "reasoning", "--n", "0"], "--n"),
+    (["eval", "fidelity", "--full"], "--full"),
+    (["eval", "keytier", "--teacher-forcing"], "--teacher-forcing"),
     (["eval", "bogus"], "what"),
     (["eval", "keytier", "--contexts", "100"], "--contexts"),
     (["eval", "keytier", "--contexts", "256", "--page-size", "100"], "--contexts"),

@@ -252,6 +252,8 @@ def test_reasoning_default_run(reasoner, tmp_path, capsys):
     assert v["claims"]["offload_keeps_full"]  # offload is exact
     printed = capsys.readouterr().out
     assert printed.startswith("verdict:") and "offload keeps the full cache" in printed
+    from tierattn.eval.reasoning import verdict_table
+    assert verdict_table(result).startswith("verdict:")  # from the saved JSON (string keys)
 
 
 def _cell(method, hbm, acc, n=400, h2d=0.0, p=1.0):

@@ -131,6 +131,32 @@ def test_explicit_tiered_cache(kwarg):
     assert cache.stats()["total"]["attend_calls"] > 0
 
 
+@pytest.mark.parametrize("preset", ["exact", "evict-h2o"])
+def test_a_deep_copied_cache_forks_the_sequences(preset):
+    """``copy.deepcopy`` of a used cache is a fork: its layers answer to the copy (the
+    original may go), and greedy steps from the copy equal those from the original."""
+    model = tiny("llama")
+    ids = torch.randint(3, 128, (2, 21), generator=torch.Generator().manual_seed(3))
+    config = exact_config() if preset == "exact" else exact_config(evict_budget=12)
+    with torch.no_grad(), tierattn.patch(model, config):
+        cache = TieredCache(model.config, config)
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        fork = copy.deepcopy(cache)
+        assert all(layer.owner is fork for layer in fork.layers)
+
+        def steps(c, first):
+            out, nxt = [], first.argmax(-1)
+            for _ in range(6):
+                out.append(nxt)
+                nxt = model(input_ids=nxt[:, None], past_key_values=c,
+                            use_cache=True).logits[:, -1].argmax(-1)
+            return torch.stack(out, 1)
+
+        original = steps(cache, logits)
+        del cache
+        assert torch.equal(steps(fork, logits), original)
+
+
 @pytest.mark.parametrize("preset", ["topk", "evict-h2o", "evict-streaming", "evict-snapkv"])
 def test_approximate_presets_run_and_report(preset):
     model = tiny("llama")

@@ -114,6 +114,12 @@ def test_fidelity_reference_cached(smollm2, tmp_path):
     off = run_fidelity(FidelitySpec(methods=("offload",), **kw), out_root=None,
                        model_and_tokenizer=smollm2, reference_cache=None)
     assert off["cells"][0]["reference"] == "computed"
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    with pytest.warns(UserWarning, match="not cached"):  # a cache it cannot write: run goes on
+        r = run_fidelity(FidelitySpec(methods=("offload",), **kw), out_root=None,
+                         model_and_tokenizer=smollm2, reference_cache=blocked)
+    assert [c["method"] for c in r["cells"]] == ["full", "offload"]
 
 
 def test_fidelity_run_keeps_finished_cells(smollm2, tmp_path, monkeypatch):
