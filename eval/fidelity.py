@@ -193,7 +193,8 @@ def cache_dir() -> Path:
 
 
 def _model_identity(model) -> str:
-    """The model's file (name and size) when it came from one, else a digest of its weights."""
+    """The model's GGUF files (names, sizes, modification times) when it came from them, else
+    a digest of its weights' bytes."""
     path = getattr(model, "name_or_path", "") or ""
     gguf = sorted(f for f in os.listdir(path) if f.endswith(".gguf")) if os.path.isdir(path) \
         else []
@@ -203,7 +204,7 @@ def _model_identity(model) -> str:
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(p.detach().float().cpu().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())  # no copy
     return h.hexdigest()
 
 

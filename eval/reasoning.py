@@ -280,12 +280,10 @@ def evaluate_items(model, items: list[Item], runs: list[dict], *, steps: int, eo
         ok = [bool(it.correct(g)) for it, g in zip(items, greedy)]
         k, n = sum(ok), len(ok)
         lo, hi = wilson(k, n)
-        kl_fields = {f"kl_{key}": None for key in kl_summary(torch.zeros(1))}
-        top1 = None
+        kl, top1 = torch.empty(0), None  # no teacher forcing: KL and top-1 are None
         if teacher_forcing:
             valid = torch.arange(tf.shape[1])[None, :] < torch.tensor(ref.lengths)[:, None]
             kl = token_kl(ref.tf[:, :tf.shape[1]], tf, valid)
-            kl_fields = {f"kl_{key}": v for key, v in kl_summary(kl).items()}
             top1 = float((ref.tf[:, :tf.shape[1]].argmax(-1) == tf.argmax(-1))[valid]
                          .float().mean())
         div = [first_divergence(r, g) for r, g in zip(ref.greedy, greedy)]
@@ -303,7 +301,7 @@ def evaluate_items(model, items: list[Item], runs: list[dict], *, steps: int, eo
             **{f"acc_{g}": sum(o for o, it in zip(ok, items) if it.group == g) /
                max(1, sum(it.group == g for it in items)) for g in groups},
             "trace_len_ratio": sum(map(len, greedy)) / max(1, sum(map(len, ref.greedy))),
-            **kl_fields,
+            **{f"kl_{key}": v for key, v in kl_summary(kl).items()},
             "top1_agreement": top1,
             "greedy_match": sum(d is None for d in div) / n,
             "first_divergence_mean": sum(diverged) / len(diverged) if diverged else None,

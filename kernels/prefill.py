@@ -483,7 +483,6 @@ def _paged_prefill_torch(q, kv_pool, page_table, qo_indptr, *, scale, causal, sl
         if bounds[b + 1] > bounds[b] and count > 0:
             shapes.setdefault((count, last, bounds[b + 1] - bounds[b]), []).append(b)
     qs = q.float() * scale  # the scale folded into the queries: one pass over T x D, not T x N
-    d = q.shape[2]
     for (count, last, t), seqs in shapes.items():
         n_pad = count * page_size
         n_tok = n_pad - page_size + last

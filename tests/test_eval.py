@@ -317,6 +317,25 @@ def test_fidelity_merged_cells(tmp_path):
     assert merged_cells([b, a])[1]["kl_mean"] == 0.009  # the order given decides
 
 
+def test_fidelity_reference_key_follows_the_weights():
+    """A model not loaded from a GGUF file is keyed by its weights' bytes: the same weights
+    give the same key, one changed weight (bf16 included) another."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tierattn.eval.fidelity import _reference_key
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1)).to(torch.bfloat16)
+    key = _reference_key(model, {"p": [[1, 2, 3]]}, {"steps": 4})
+    assert key == _reference_key(model, {"p": [[1, 2, 3]]}, {"steps": 4})
+    assert key != _reference_key(model, {"p": [[1, 2, 4]]}, {"steps": 4})
+    with torch.no_grad():
+        model.model.norm.weight[0] += 1
+    assert key != _reference_key(model, {"p": [[1, 2, 3]]}, {"steps": 4})
+
+
 def test_answer_extraction_and_jsonl_errors(tmp_path):
     from tierattn.eval.qa import extract_answer, load_jsonl
 
