@@ -41,7 +41,8 @@ from tqdm import tqdm
 from tierattn.cache import TieredKVCache
 from tierattn.config import TierConfig
 from tierattn.eval.hostcost import KernelTimer
-from tierattn.eval.report import format_table, new_results_dir, save_json, write_csv
+from tierattn.eval.report import (format_table, new_results_dir, save_json, target_lines,
+                                  write_csv)
 
 __all__ = ["BenchSpec", "Geometry", "fill_by_chunks", "host_summary", "load_profile",
            "model_row", "run_bench", "run_host_bench", "whole_layer", "HARDWARE_DIR"]
@@ -503,9 +504,7 @@ def host_summary(result: dict) -> str:
     lines = ["Host cost of the tiered runtime per layer and decode step (kernels replaced by "
              "instant stubs; CPU wall time minus the stubs; reads counted on the meta device; "
              f"{result['steps']} decode steps after the prefill, structural work included):",
-             format_table(result["rows"], HOST_TABLE), "", "Targets:"]
-    lines += [f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']}"
-              for t in result["targets"]]
+             format_table(result["rows"], HOST_TABLE)] + target_lines(result["targets"])
     if result.get("out"):
         lines.append(f"\nresults: {result['out']}/host.csv, host.json")
     return "\n".join(lines)
@@ -632,9 +631,7 @@ def summary(result: dict) -> str:
                   f"({v['tiered_hot100']['ratio_to_sdpa']:.2f}x) | tiered 50% hot "
                   f"{v['tiered_hot50']['median_ms']:.3f} ms "
                   f"({v['tiered_hot50']['ratio_to_sdpa']:.2f}x)"]
-    lines += ["", "Targets:"]
-    lines += [f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']}"
-              for t in result["targets"]]
+    lines += target_lines(result["targets"])
     if result.get("out"):
         lines.append(f"\nresults: {result['out']}/results.json, rows.csv, summary.md")
     lines += [f"plot: {p}" for p in result.get("plots", [])]

@@ -8,6 +8,7 @@
     tierattn eval keytier [--contexts N]        SmolLM2: attention each recall selector misses
     tierattn bench [--smoke] [--out-root DIR]  data movement per token vs whole-layer offload
     tierattn bench --serving [--smoke]        continuous batching: recompute vs swap vs auto
+    tierattn bench --disk [--smoke] [--folder D]  disk tier vs the folder's raw bandwidth
     tierattn bench --vllm [--smoke]           vLLM (its own environment): recompute vs tiers
     tierattn serve [--swap-tiers ...] -- ARGS  `transformers serve ARGS` with tierattn.swap
     tierattn models [--types T,...]            every causal-LM type of transformers, patched
@@ -275,6 +276,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         spec = dataclasses.replace(spec, **changes)
         print(serving_summary(run_serving(spec, out_root=args.out_root)))
         return 0
+    if args.disk:
+        from tierattn.eval.diskbench import DiskBenchSpec, disk_summary, run_disk_bench
+
+        spec = DiskBenchSpec.smoke() if args.smoke else DiskBenchSpec()
+        if args.pages:
+            spec = dataclasses.replace(spec, pages=args.pages)
+        print(disk_summary(run_disk_bench(spec, folder=args.folder, out_root=args.out_root)))
+        return 0
     if args.host:
         from tierattn.eval.bench import host_summary, run_host_bench
 
@@ -510,6 +519,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only the host-cost rows: the runtime's own work per layer and "
                             "decode step with kernels stubbed (dense, offload 50%%, topk at "
                             "4K/32K, batch 1/8; --smoke: 4K, batch 1), written to host.csv")
+    bench.add_argument("--disk", action="store_true",
+                       help="the disk tier against the raw sequential bandwidth of the same "
+                            "folder: write, cold read and mixed spill/recall at 1K-64K pages of "
+                            "64 KiB, CPU time per page, and a 32K-context 32-layer spill and "
+                            "recall through the runtime (--smoke: 256 and 1K pages, 2K context)")
+    bench.add_argument("--folder", type=_existing("folder"), default=None,
+                       help="--disk: the folder measured (default: the system's temp folder)")
+    bench.add_argument("--pages", type=_ints, default=None,
+                       help="--disk: page counts (default 1024,4096,16384,65536)")
     bench.add_argument("--serving", action="store_true",
                        help="continuous batching under memory pressure on SmolLM2-135M: "
                             "transformers' recompute vs tierattn.swap into DDR, DDR+disk and "
@@ -612,6 +630,15 @@ def _check(args: argparse.Namespace) -> None:
     if args.command == "loop" and args.q_heads % args.kv_heads:
         raise UsageError(f"--q-heads {args.q_heads} must be a multiple of --kv-heads "
                          f"{args.kv_heads} (each KV head serves a group of query heads)")
+    if args.command == "bench":
+        modes = [f for f in ("disk", "host", "serving", "vllm") if getattr(args, f)]
+        if len(modes) > 1:
+            raise UsageError(f"--{modes[0]} and --{modes[1]} are separate benchmarks; run them "
+                             "one at a time")
+        stray = [f for f, v in (("--folder", args.folder), ("--pages", args.pages))
+                 if v is not None and not args.disk]
+        if stray:
+            raise UsageError(f"{stray[0]} applies to --disk only; add --disk or drop it")
     if args.command == "eval" and args.data and not args.model:
         raise UsageError("--data needs --model (a local Hugging Face checkpoint folder)")
     if args.command == "eval" and args.what == "keytier":

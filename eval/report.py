@@ -70,3 +70,9 @@ def results_summary(result: dict, columns: list[tuple[str, str, str]]) -> str:
         lines.append(f"\nresults: {result['out']}/results.json, cells.csv")
     lines += [f"plot: {p}" for p in result.get("plots", [])]
     return "\n".join(lines)
+
+
+def target_lines(targets: list[dict]) -> list[str]:
+    """A benchmark's targets as printed: a header, then ``[met]``/``[NOT met]``, what, value."""
+    return ["", "Targets:"] + [f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: "
+                               f"{t['value']}" for t in targets]

@@ -376,8 +376,10 @@ class SwapHandle:
         if "init_continuous_batching" in vars(self.model):
             del self.model.init_continuous_batching
         del self.model._tierattn_swap
+        running = False
         for manager in list(self._managers):
             if manager.is_running():
+                running = True
                 warnings.warn("tierattn.swap: a continuous-batching manager is still running; "
                               "it keeps tierattn's offloading manager until it stops.",
                               stacklevel=2)
@@ -398,6 +400,8 @@ class SwapHandle:
                     compute_stream=processor.inputs_and_outputs.compute_stream,
                     distributed_helper=processor.distributed_helper)
         self._managers = weakref.WeakSet()
+        if not running and self.swapper.store is not None:  # its disk tiers' files go
+            self.swapper.store.close()
 
     def __enter__(self) -> SwapHandle:
         return self

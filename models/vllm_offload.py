@@ -16,7 +16,7 @@ tierattn's tiers and cost model:
 * :class:`TieredBlockWorker` (each worker process): moves blocks between vLLM's paged KV cache
   and the tiers through tierattn's :class:`~tierattn.mover.Mover` and transfer engines (one
   batched copy per tier and layer; synchronous on CPU, a copy stream on CUDA; disk pages are
-  checksummed files that validate on read). A failed store or load is reported, never a
+  checksummed pages in a segment file that validate on read). A failed store or load is reported, never a
   wrong token: the chunks are forgotten and the request is prefilled again.
 * :class:`TierattnOffloadingConnector`: vLLM's ``OffloadingConnector`` plus the two things its
   framework lacks, carried in the per-step worker metadata: transfer failures (a failed load
@@ -602,12 +602,11 @@ class TieredBlockWorker(OffloadingWorker):
             if not store:
                 self.failed_loads.add(job_id)
             result.transfer_size = result.transfer_time = None
-            if store:  # leave no file of a half-written chunk behind
+            if store:  # no slot of a half-written chunk reads as a page
                 for layer in range(len(self.layers)):
                     for tier, slots in written:
                         if not self.tiers[tier].is_memory:
-                            for s in slots.tolist():
-                                self.tiers[tier].path(layer, s).unlink(missing_ok=True)
+                            self.tiers[tier].segment().forget(layer, slots.tolist())
             logger.warning(
                 "%s job %d failed (%s); its chunks are dropped and recomputed.", direction,
                 job_id, e if isinstance(e, (KVIOError, KVFileError)) else repr(e))
@@ -642,6 +641,8 @@ class TieredBlockWorker(OffloadingWorker):
                 t.synchronize()
 
     def shutdown(self) -> None:
+        for t in self.tiers:
+            t.close()
         for folder in self.folders:
             shutil.rmtree(folder, ignore_errors=True)
 

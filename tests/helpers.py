@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import torch
 
-from tierattn import kvfile
 from tierattn.cache import TieredKVCache
+from tierattn.segment import Segment
 from tierattn.kernels import PageTable
 
 
@@ -71,19 +72,78 @@ def run_loop(cache: TieredKVCache, shadow: Shadow, *, prompt: int, steps: int, h
 
 
 def fail_disk_writes(monkeypatch, exc: BaseException, after: int = 0) -> dict:
-    """Every page-file write after the first ``after`` fails with ``exc`` while its temp file
-    is written (so the writer's own cleanup runs). Returns the counts ``{"n": writes tried,
-    "failed": writes failed}``."""
-    real = os.fsync
+    """Every disk write after the first ``after`` fails with ``exc``: a disk tier's batched
+    positional write (``os.pwritev``; its first buffer lands before the error) or a saved
+    file's fsync (``os.fsync``, so the writer's own cleanup runs). Returns the counts
+    ``{"n": writes tried, "failed": writes failed}``."""
+    real = {"pwritev": os.pwritev, "fsync": os.fsync}
     calls = {"n": 0, "failed": 0}
 
-    def fsync(fd):
-        calls["n"] += 1
-        if calls["n"] > after:
-            calls["failed"] += 1
-            raise exc
-        return real(fd)
+    def faulty(name):
+        def call(*args):
+            calls["n"] += 1
+            if calls["n"] > after:
+                calls["failed"] += 1
+                if name == "pwritev" and len(args[1]) > 1:  # part of the batch lands first
+                    real[name](args[0], args[1][:1], args[2])
+                raise exc
+            return real[name](*args)
+        return call
 
-    monkeypatch.setattr(kvfile.os, "fsync", fsync)
+    for name in real:
+        monkeypatch.setattr(os, name, faulty(name))
     return calls
 
+
+def fail_disk_reads(monkeypatch, exc: BaseException, every: int = 1) -> dict:
+    """Every ``every``-th read of a disk tier's pages (``os.preadv``) fails with ``exc``.
+    Returns the counts ``{"n": reads tried, "failed": reads failed}``."""
+    real, calls = os.preadv, {"n": 0, "failed": 0}
+
+    def preadv(*args):
+        calls["n"] += 1
+        if calls["n"] % every == 0:
+            calls["failed"] += 1
+            raise exc
+        return real(*args)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return calls
+
+
+def disk_segments(folder) -> list:
+    """The disk tier's segment files under ``folder``."""
+    return sorted(Path(folder).glob("*.kvseg"))
+
+
+def holds_nothing(tier, folder) -> bool:
+    """A disk tier with every slot released: its one segment's page map is empty."""
+    return disk_segments(folder) == [tier.path()] and bool((tier.segment().starts < 0).all())
+
+
+def corrupt_pages(tier) -> int:
+    """Flip the first byte of every page a disk tier's segment holds, on disk (after their
+    checksums were recorded): the next read of any of them must fail. Returns the count."""
+    seg = tier.segment()
+    held = (seg.starts >= 0).nonzero()
+    for layer, slot in zip(*held):
+        at = seg._offset(int(layer), int(slot))
+        os.pwrite(seg.fd, bytes([os.pread(seg.fd, 1, at)[0] ^ 0x01]), at)
+    return len(held[0])
+
+
+def corrupt_writes(monkeypatch, every: int = 3) -> dict:
+    """Every ``every``-th batch a disk tier writes gets one byte of its first page flipped on
+    disk right after it landed (its checksum already recorded). Returns ``{"n": batches}``."""
+    real, calls = Segment.write, {"n": 0}
+
+    def write(self, layer, slots, pages, token_starts):
+        real(self, layer, slots, pages, token_starts)
+        calls["n"] += 1
+        if calls["n"] % every == 0:
+            at = self._offset(layer, slots[0])
+            byte = os.pread(self.fd, 1, at)
+            os.pwrite(self.fd, bytes([byte[0] ^ 0x55]), at)
+
+    monkeypatch.setattr(Segment, "write", write)
+    return calls

@@ -17,9 +17,8 @@ import urllib.request
 import pytest
 import torch
 import transformers
-from helpers import fail_disk_writes
+from helpers import corrupt_writes, fail_disk_reads, fail_disk_writes
 
-from tierattn import tiers
 from tierattn.config import TierSpec
 from tierattn.errors import TierConfigError, UnsupportedEngineError, UnsupportedModelError
 from tierattn.models.continuous import SUPPORTED, check_transformers, swap, swap_every_model
@@ -182,31 +181,10 @@ def test_a_disk_fault_on_swap_out_recomputes_that_request(models, references, tm
 def test_a_disk_fault_on_swap_in_recomputes_that_request(models, references, tmp_path,
                                                          monkeypatch, figures, fault):
     model, want = subject(models, references)
-    written = {"n": 0}
-    if fault == "EIO":
-        real_read = tiers.read_kv_file
-        reads = {"n": 0}
-
-        def read(*a, **k):
-            reads["n"] += 1
-            if reads["n"] % 3 == 0:
-                raise OSError(errno.EIO, "Input/output error")
-            return real_read(*a, **k)
-
-        monkeypatch.setattr(tiers, "read_kv_file", read)
-    else:  # every third page file written is corrupted on disk after its checksum
-        real_write = tiers.write_kv_file
-
-        def write(*a, **k):
-            path = real_write(*a, **k)
-            written["n"] += 1
-            if written["n"] % 3 == 0:
-                raw = bytearray(path.read_bytes())
-                raw[-1] ^= 0x55
-                path.write_bytes(bytes(raw))
-            return path
-
-        monkeypatch.setattr(tiers, "write_kv_file", write)
+    if fault == "EIO":  # every third batch of page reads fails
+        fail_disk_reads(monkeypatch, OSError(errno.EIO, "Input/output error"), every=3)
+    else:  # every third batch of pages written is corrupted on disk after its checksum
+        corrupt_writes(monkeypatch, every=3)
     with swap(model, SwapConfig(tiers=(disk(tmp_path),), policy="swap")) as handle:
         assert generate(model, TIGHT) == want
         st = handle.stats()

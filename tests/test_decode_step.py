@@ -12,6 +12,8 @@ counted here: at most a few snapshots per page filled. On a GPU the same is chec
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,6 +22,8 @@ from tierattn.config import TierConfig, TierSpec
 from tierattn.eval.hostcost import HostReads, MetaEngine, stub_kernels
 
 L, HKV, HQ, D, P, B = 3, 2, 8, 16, 8, 3
+#: a small DDR tier over a disk tier (its folder set per test)
+DISK = (TierSpec("hbm"), TierSpec("ddr", capacity_pages=12), TierSpec("disk", path="?"))
 
 CONFIGS = {
     "dense": TierConfig.preset("dense"),
@@ -40,11 +44,27 @@ CONFIGS = {
     "evict-snapkv-decode": TierConfig.preset("evict-snapkv-decode"),
     "evict-rkv": TierConfig.preset("evict-rkv"),
     "grid-h2o-offload": TierConfig(hot_budget=0.3, evict_budget=0.3, evict_policy="h2o"),
+    # pages on disk (DDR too small for the cold pages): read into host staging off the step
+    "offload-disk": TierConfig.preset("offload", hot_budget=0.3, tiers=DISK),
+    "offload-disk-sync": TierConfig.preset("offload", hot_budget=0.3, tiers=DISK,
+                                           prefetch="none"),
+    "topk-disk": TierConfig.preset("topk", tiers=DISK),  # misses read: one selection back
+    "topk-disk-sync": TierConfig.preset("topk", tiers=DISK, prefetch="none"),
+    "topk-disk-defer": TierConfig.preset("topk", tiers=DISK, disk_misses="defer"),
+    "topk-disk-defer-sync": TierConfig.preset("topk", tiers=DISK, disk_misses="defer",
+                                              prefetch="none"),
+    "topk-quest-disk": TierConfig.preset("topk", tiers=DISK, recall_score="quest",
+                                         disk_misses="defer"),
+    "grid-h2o-offload-disk": TierConfig(hot_budget=0.3, evict_budget=0.3, evict_policy="h2o",
+                                        tiers=DISK),
 }
 
 
-def _meta_cache(cfg: TierConfig) -> TieredKVCache:
+def _meta_cache(cfg: TierConfig, folder=None) -> TieredKVCache:
     cfg = cfg.replace(page_size=P, max_context=256, prefill_chunk_size=64, backend="torch")
+    if any(t.kind == "disk" for t in cfg.tiers):
+        cfg = cfg.replace(tiers=tuple(dataclasses.replace(t, path=str(folder))
+                                      if t.kind == "disk" else t for t in cfg.tiers))
     return TieredKVCache(cfg, num_layers=L, num_kv_heads=HKV, head_dim=D, batch_size=B,
                          dtype=torch.bfloat16, device="meta", kernels=stub_kernels(),
                          engine=MetaEngine())
@@ -71,8 +91,8 @@ def _prefill(cache: TieredKVCache, tokens: int, window: int | None = None) -> No
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("shape", ["plain", "padded+freed"])
-def test_decode_steps_read_nothing_back(name, shape):
-    cache = _meta_cache(CONFIGS[name])
+def test_decode_steps_read_nothing_back(name, shape, tmp_path):
+    cache = _meta_cache(CONFIGS[name], tmp_path)
     if shape != "plain":
         cache.set_padding([0, 5, 11])
     _prefill(cache, 100)
@@ -90,8 +110,26 @@ def test_decode_steps_read_nothing_back(name, shape):
     # started, a sequence's eviction target moved) per layer, and nothing else came back but
     # their tensors (mass, SnapKV mass or Quest bound, decode-window mass, a policy's own)
     assert len(snapshots) <= 3 * L * (steps // P + 1)
-    assert cache.engine.to_host_calls - before <= 4 * len(snapshots)
-    assert all(c.decode_steps == steps for c in cache.telemetry.layers)
+    disk = [t for t in cache.tiers if t.kind == "disk"]
+    # with a disk tier also: a spill's pages (one copy per demotion to disk) and, for recall,
+    # each step's selection (one copy per layer and step: the next step stages its disk pages)
+    tel = cache.telemetry.layers
+    spills = sum(c.demoted_pages for c in tel) if disk else 0
+    recall_disk = bool(disk) and cache.config.attend == "topk"
+    notes = steps * L if recall_disk else 0
+    # disk_misses="read" brings each selection with disk pages back synchronously (counted):
+    # the one device read a step may make, and only then; "defer" makes none
+    sync = sum(c.disk_selection_reads for c in tel)
+    if recall_disk and cache.config.disk_misses == "read":
+        assert 0 < sync <= steps * L
+    else:
+        assert sync == 0
+    assert cache.engine.to_host_calls - before <= 4 * len(snapshots) + spills + notes + sync
+    assert all(c.decode_steps == steps for c in tel)
+    if disk:
+        assert disk[0].num_used(0) > 0
+        if cache.config.attend == "all":  # (recall's selections are not data on meta)
+            assert sum(c.disk_staged_pages + c.disk_sync_pages for c in tel) > 0
 
 
 def test_sliding_window_layer_reads_nothing_back():

@@ -1,8 +1,8 @@
 """The package's import layering: one-way imports between its modules, lazy (function-level)
 imports included, and no cycle anywhere.
 
-    errors -> config -> kernels -> tiers/transfer (kvfile, telemetry, costmodel) ->
-    pagemap/validate -> mover -> prefetch/swapcore -> importance/policy -> attention/graphs ->
+    errors -> config -> kernels -> tiers/transfer (segment, kvfile, telemetry, costmodel) ->
+    pagemap/validate -> mover/staging -> prefetch/swapcore -> importance/policy -> attention/graphs ->
     snapshot -> cache -> models -> eval
 
 A module may import modules of its own layer or below; an import of a higher layer, at load
@@ -25,10 +25,10 @@ LAYERS = [
     ["tierattn.errors", "tierattn"],
     ["tierattn.config"],
     ["tierattn.kernels"],
-    ["tierattn.costmodel", "tierattn.kvfile", "tierattn.telemetry", "tierattn.tiers",
-     "tierattn.transfer"],
+    ["tierattn.costmodel", "tierattn.kvfile", "tierattn.segment", "tierattn.telemetry",
+     "tierattn.tiers", "tierattn.transfer"],
     ["tierattn.pagemap", "tierattn.validate"],
-    ["tierattn.mover"],
+    ["tierattn.mover", "tierattn.staging"],
     ["tierattn.prefetch", "tierattn.swapcore"],
     ["tierattn.importance", "tierattn.policy"],
     ["tierattn.attention", "tierattn.graphs"],

@@ -9,9 +9,8 @@ import json
 
 import pytest
 import torch
-from helpers import fail_disk_writes
+from helpers import corrupt_pages, disk_segments, fail_disk_reads, fail_disk_writes, holds_nothing
 
-from tierattn import tiers
 from tierattn.config import TierConfig, TierSpec
 from tierattn.costmodel import CostModel, LinearFit, attention_work, prefill_work
 from tierattn.errors import KVCapacityError, KVFileError, KVIOError, TierConfigError
@@ -101,7 +100,7 @@ def test_store_and_load_are_bitwise_and_spill_to_disk(device, tmp_path):
     store.load("a", [0, 2, 3, 5, 6], noop)
     assert torch.equal(bits(pool[[0, 2, 3, 5, 6]]), bits(want))
     assert "a" not in store and store.free_slots()["ddr"] == 3
-    assert not any((tmp_path / "kv").iterdir())  # the disk slots' files are gone
+    assert holds_nothing(store.tiers[2], tmp_path / "kv")  # the disk slots are released
 
 
 def test_load_skips_slots_the_engine_did_not_reallocate(device):
@@ -128,18 +127,29 @@ def test_a_full_hierarchy_refuses_and_changes_nothing(device, tmp_path):
     assert store.free_slots() == free and "b" not in store
 
 
-@pytest.mark.parametrize("exc, after", [(ENOSPC, 0), (EIO, 1), (ENOSPC, 2)],
-                         ids=["first-file", "second-file", "third-file"])
-def test_a_disk_fault_while_storing_rolls_back(device, tmp_path, monkeypatch, exc, after):
+@pytest.mark.parametrize("exc, gap", [(ENOSPC, False), (EIO, False), (ENOSPC, True)],
+                         ids=["ENOSPC", "EIO", "ENOSPC-second-run"])
+def test_a_disk_fault_while_storing_rolls_back(device, tmp_path, monkeypatch, exc, gap):
+    """A batch of three disk pages fails after part of it landed (in its first run of
+    adjacent slots, or with ``gap`` in its second run, the first one written whole)."""
     pool = make_pool(device)
     store = SwapStore(SwapConfig(tiers=(TierSpec("ddr", capacity_pages=1), disk(tmp_path))),
                       pool)
-    fail_disk_writes(monkeypatch, exc, after)
+    if gap:  # "y" keeps disk slot 1: the next store gets slots 0, 2, 3 -- two runs
+        store.store("x", [5, 6], noop)
+        store.store("y", [7], noop)
+        store.discard("x")
+    fail_disk_writes(monkeypatch, exc, after=int(gap))
     before = bits(pool).clone()
     with pytest.raises(KVIOError):
         store.store("a", [0, 1, 2, 3], noop)
-    assert "a" not in store and store.free_slots() == {"ddr": 1, "disk": store.tiers[2].capacity}
-    assert not any((tmp_path / "kv").iterdir())
+    assert "a" not in store
+    if gap:
+        assert store.free_slots() == {"ddr": 1, "disk": store.tiers[2].capacity - 1}
+        assert (store.tiers[2].segment().starts[0] >= 0).tolist().count(True) == 1
+        store.discard("y")
+    assert store.free_slots() == {"ddr": 1, "disk": store.tiers[2].capacity}
+    assert holds_nothing(store.tiers[2], tmp_path / "kv")
     assert torch.equal(bits(pool), before)
 
 
@@ -147,21 +157,19 @@ def test_a_disk_fault_while_storing_rolls_back(device, tmp_path, monkeypatch, ex
 def test_a_bad_read_releases_everything_and_raises(device, tmp_path, monkeypatch, fault):
     store = SwapStore(SwapConfig(tiers=(disk(tmp_path),)), make_pool(device))
     store.store("a", [0, 1], noop)
-    files = sorted((tmp_path / "kv").iterdir())
-    assert len(files) == 2
+    (segment,) = disk_segments(tmp_path / "kv")  # one file, whatever the number of pages
     if fault == "EIO":
-        def read(*a, **k):
-            raise EIO
-        monkeypatch.setattr(tiers, "read_kv_file", read)
+        fail_disk_reads(monkeypatch, EIO)
     elif fault == "corrupted":
-        raw = bytearray(files[1].read_bytes())
-        raw[-3] ^= 0xFF
-        files[1].write_bytes(bytes(raw))
+        assert corrupt_pages(store.tiers[1]) == 2
     else:
-        files[0].unlink()
+        segment.unlink()
     with pytest.raises((KVIOError, KVFileError)):
         store.load("a", [5, 6], noop)
     assert "a" not in store and store.free_slots() == {"disk": store.tiers[1].capacity}
+    if fault != "missing":
+        assert holds_nothing(store.tiers[1], tmp_path / "kv")
+    store.close()
     assert not any((tmp_path / "kv").iterdir())
 
 
@@ -177,7 +185,7 @@ def test_calibration_probes_leave_the_pool_and_tiers_as_they_were(device, tmp_pa
         for d in ("store", "load"):
             assert costs.links[(kind, d)].count == 4  # sizes 1 and 3, twice each
             assert costs.transfer_s(kind, d, store.slot_bytes) > 0
-    assert not any((tmp_path / "kv").iterdir())
+    assert holds_nothing(store.tiers[2], tmp_path / "kv")
 
 
 # --- the cost model ------------------------------------------------------------------------------
@@ -318,7 +326,7 @@ def test_resume_loads_or_reports_a_load_fault(device, tmp_path, monkeypatch):
     sw.preempt("b", [2, 3], tokens=8, recompute_tokens=8, blocks=2)
     assert sw.resume("a", [6, 7])
     assert torch.equal(bits(pool[[6, 7]]), bits(want))
-    monkeypatch.setattr(tiers, "read_kv_file", lambda *a, **k: (_ for _ in ()).throw(EIO))
+    fail_disk_reads(monkeypatch, EIO)
     assert not sw.resume("b", [8, 9])
     st = sw.stats()
     assert (st["swapped_in"], st["faults"]["load"], st["recomputed_requests"]) == (1, 1, 1)

@@ -9,6 +9,7 @@ module before vLLM is imported).
 from __future__ import annotations
 
 import gc
+import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,24 +115,41 @@ def run_engine(name: str, model: str, kv_transfer_config: dict | None = None, *,
 
 
 def disk_files(path: str | Path) -> list[Path]:
-    """The page files under a disk tier's folder (every engine's subfolder)."""
-    return sorted(f for f in Path(path).rglob("*") if f.is_file())
+    """The disk tiers' segment files under ``path`` (every engine's subfolder)."""
+    return sorted(Path(path).rglob("*.kvseg"))
+
+
+def disk_pages(path: str | Path) -> int:
+    """Pages written into the segment files under ``path`` (slots holding any nonzero byte)."""
+    return len(_written_slots(path))
+
+
+def _written_slots(path: str | Path) -> list[tuple[Path, int]]:
+    from tierattn.segment import ALIGN, MAGIC
+    out = []
+    for f in disk_files(path):
+        data = f.read_bytes()
+        size = json.loads(data[len(MAGIC):ALIGN].rstrip(b"\0"))["slot_bytes"]
+        out += [(f, o) for o in range(ALIGN, len(data), size) if any(data[o:o + size])]
+    return out
 
 
 def corrupt_files(path: str | Path) -> int:
-    """Flip one byte near the end of every page file under ``path`` (the payload: the header
-    still parses, the checksum does not match). Returns the number of files."""
-    files = disk_files(path)
-    for f in files:
-        data = bytearray(f.read_bytes())
-        data[-min(100, len(data))] ^= 0xFF
-        f.write_bytes(bytes(data))
-    return len(files)
+    """Flip the first byte of every written page of the segment files under ``path`` (its
+    checksum no longer matches). Returns the number of pages."""
+    slots = _written_slots(path)
+    for f, offset in slots:
+        with open(f, "r+b") as fh:
+            fh.seek(offset)
+            byte = fh.read(1)
+            fh.seek(offset)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+    return len(slots)
 
 
 def delete_files(path: str | Path) -> int:
-    """Delete every page file under ``path``. Returns the number of files."""
-    files = disk_files(path)
-    for f in files:
+    """Delete every segment file under ``path``. Returns the number of pages they held."""
+    n = disk_pages(path)
+    for f in disk_files(path):
         f.unlink()
-    return len(files)
+    return n

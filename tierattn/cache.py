@@ -157,7 +157,7 @@ class TieredKVCache:
         self.prefetcher = Prefetcher(num_layers=num_layers, staging_pages=self.staging_pages,
                                      page_shape=self.page_shape, dtype=dtype, device=self.device,
                                      pages=self.pages, mover=self.mover, engine=self.engine,
-                                     telemetry=self.telemetry)
+                                     telemetry=self.telemetry, disk_misses=config.disk_misses)
         self.budgets = Budgets(config, self.pages, self.policies, self.mover, len(self.tiers))
         self.attention = Attention(
             pages=self.pages, tiers=self.tiers, importance=self.importance,
@@ -495,3 +495,11 @@ class TieredKVCache:
         self._deferred = [None] * self.num_layers
         if self.graphs is not None:
             self.graphs.reset()
+
+    def close(self) -> None:
+        """Let the reads in flight finish, delete the disk tiers' segment files and stop their
+        I/O threads (otherwise done when the cache is garbage-collected or the process ends).
+        The cache cannot be used after."""
+        self.prefetcher.reset()
+        for tier in self.tiers:
+            tier.close()

@@ -69,10 +69,15 @@ class Mover:
             if wait:
                 self.engine.wait(ticket)
                 ticket = None
-        elif isinstance(tier, MemoryTier):  # memory -> disk: one indexed read, validated files
+        elif isinstance(tier, MemoryTier):  # memory -> disk: one gather, one batched write
             idx = src_slots.to(device=tier.device, dtype=torch.long)
-            dst_tier.write(layer, dst_slots.tolist(), tier.pool(layer)[idx],
-                           token_starts.tolist())
+            pages = tier.pool(layer)[idx]
+            if pages.device.type != "cpu":  # through the engine's one way back to the host
+                host = torch.empty(pages.shape, dtype=pages.dtype,
+                                   pin_memory=pages.device.type == "cuda")
+                self.engine.wait_host(self.engine.to_host(pages, host))
+                pages = host
+            dst_tier.write(layer, dst_slots.tolist(), pages, token_starts.tolist())
             ticket = None
         else:  # disk -> anywhere: validated reads, then one indexed write
             data = self._read(tier, layer, src_slots.tolist(), token_starts.tolist())
@@ -149,46 +154,33 @@ class Mover:
             self._count(layer, src, None, 0)
         return ticket
 
-    def read_into(self, layer: int, src: int, src_slots: list[int], token_starts: list[int],
-                  dst_pool: torch.Tensor, dst_slots: list[int]) -> None:
-        """Read pages of a disk tier (validated) into ``dst_pool`` rows ``dst_slots``."""
-        data = self._read(self.tiers[src], layer, src_slots, token_starts)
-        dst_pool[torch.tensor(dst_slots, device=dst_pool.device)] = data.to(dst_pool.device)
-        self._count(layer, src, None, len(src_slots))
-
     def copy_recalled(self, layer: int, src: torch.Tensor, cols: torch.Tensor,
                       dst_pool: torch.Tensor, dst_slots: torch.Tensor, *, after: object = None,
                       wait: bool = True, pages: int | None = None) -> list:
         """Copy recalled pages into staging rows ``dst_slots [B * k]`` (int32): ``src
         [tiers - 1, B, k]`` holds each page's slot in lower tier ``t + 1`` (-1: not there, or
         not to copy), ``cols [B, k]`` their logical pages. One launch per lower memory tier
-        holding pages of the layer. ``pages``: how many are copied, when the host knows it
-        and one tier holds them all; otherwise they are counted on the device. Pages on a
-        disk tier are read on the host (the one path that reads the selection back)."""
-        held = [t for t in range(1, len(self.tiers)) if self.tiers[t].num_used(layer)]
+        holding pages of the layer; nothing is read back. ``pages``: how many are copied, when
+        the host knows it and one tier holds them all; otherwise they are counted on the
+        device. (Disk pages come through the prefetcher's disk stage, not here.)"""
+        held = [t for t in range(1, len(self.tiers))
+                if self.tiers[t].is_memory and self.tiers[t].num_used(layer)]
         host_count = pages is not None and len(held) == 1
         tickets = []
         for t in held:
             mine = src[t - 1].view(-1)
             if not host_count:
                 self.telemetry.count_recalled(layer, t, mine)
-            if self.tiers[t].is_memory:
-                tickets.append(self.copy_slots(layer, t, mine, dst_pool, dst_slots,
-                                               pages=pages if host_count else 0, after=after,
-                                               wait=wait))
-            else:
-                picked = (mine >= 0).nonzero().flatten()
-                if len(picked):
-                    self.read_into(layer, t, mine[picked].tolist(),
-                                   (cols.view(-1)[picked] * self.page_size).tolist(), dst_pool,
-                                   dst_slots[picked].tolist())
+            tickets.append(self.copy_slots(layer, t, mine, dst_pool, dst_slots,
+                                           pages=pages if host_count else 0, after=after,
+                                           wait=wait))
         return tickets
 
     def count_hits(self, layer: int, hit: torch.Tensor) -> None:
         self.telemetry.count_hits(layer, hit)
 
     def on_disk(self, layer: int) -> bool:
-        """Whether a disk tier holds pages of ``layer`` (recall then reads on the host)."""
+        """Whether a disk tier holds pages of ``layer`` (recall then stages them on the host)."""
         return any(not t.is_memory and t.num_used(layer) for t in self.tiers)
 
     # --- what the cache does with it ------------------------------------------------------------
@@ -421,18 +413,21 @@ class Mover:
                         copies.append((new, old, pg, dst, None))
                     else:
                         copies.append((new, old, pg, dst, reuse[dst].pop()))
-            plans.append(sorted(copies, key=lambda c: c[4] is not None))  # free slots first
+            plans.append(copies)
         made: list[list[tuple[int, int, int, int]]] = [[] for _ in plans]  # new, pg, dst, slot
 
         def copy_all() -> None:
-            for layer, copies in enumerate(plans):
+            # every layer's copies into free slots (which may fail: a full disk) before any
+            # into a reused slot (which overwrites a dropped sequence's page for good)
+            order = sorted(((layer, c) for layer, copies in enumerate(plans) for c in copies),
+                           key=lambda lc: lc[1][4] is not None)
+            for layer, (new, old, pg, dst, slot) in order:
                 st = self.pages.layers[layer]
-                for new, old, pg, dst, slot in copies:
-                    if slot is None:
-                        (slot,) = self.tiers[dst].alloc(layer, 1)
-                    made[layer].append((new, pg, dst, slot))
-                    self.copy(layer, int(st.tier[old, pg]), st.slot[old, pg:pg + 1].long(),
-                              torch.tensor([pg * p]), self.tiers[dst], torch.tensor([slot]))
+                if slot is None:
+                    (slot,) = self.tiers[dst].alloc(layer, 1)
+                made[layer].append((new, pg, dst, slot))
+                self.copy(layer, int(st.tier[old, pg]), st.slot[old, pg:pg + 1].long(),
+                          torch.tensor([pg * p]), self.tiers[dst], torch.tensor([slot]))
 
         try:
             copy_all()

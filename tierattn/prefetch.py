@@ -31,6 +31,7 @@ import torch
 from tierattn.kernels import PageTable
 from tierattn.mover import Mover
 from tierattn.pagemap import ColdBatch, DeviceTable, LayerTables, PageMap
+from tierattn.staging import DiskStage
 from tierattn.telemetry import Telemetry
 from tierattn.tiers import MemoryTier
 from tierattn.transfer import TransferEngine
@@ -95,8 +96,10 @@ class Prefetcher:
 
     def __init__(self, *, num_layers: int, staging_pages: int, page_shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device, pages: PageMap, mover: Mover,
-                 engine: TransferEngine, telemetry: Telemetry) -> None:
+                 engine: TransferEngine, telemetry: Telemetry,
+                 disk_misses: str = "read") -> None:
         self.num_layers, self.staging_pages = num_layers, staging_pages
+        self.disk_misses = disk_misses  # recall's disk pages not staged: "read" or "defer"
         self.pages, self.mover, self.engine, self.telemetry = pages, mover, engine, telemetry
         self.device = device
         tier = MemoryTier("staging", 1, RING * staging_pages, page_shape, dtype, device)
@@ -106,6 +109,11 @@ class Prefetcher:
         self.selection: list[_Selection | None] = [None] * num_layers
         self.fence = None  # compute work a copy into a reused staging buffer must wait for
         self._recall_layouts: dict[tuple, _RecallLayout] = {}
+        #: disk pages staged in host memory ahead of their layer (None: no disk tier)
+        self.disk = DiskStage(tiers=mover.tiers, num_layers=num_layers, rows=staging_pages,
+                              page_shape=page_shape, dtype=dtype, device=device, engine=engine,
+                              telemetry=telemetry, ring=RING) \
+            if any(not t.is_memory for t in mover.tiers) else None
 
     def next_buffer(self, layer: int) -> int:
         """The buffer ``layer``'s attend call reads (advances the layer's ring position)."""
@@ -123,13 +131,18 @@ class Prefetcher:
 
     def _copy(self, layer: int, batch: ColdBatch, buffer: int, *, after: object,
               wait: bool) -> list:
-        """Launch ``batch``'s copies into staging ``buffer``: one per source tier."""
+        """Launch ``batch``'s copies into staging ``buffer``: one per source memory tier. Its
+        disk pages are read into host staging on the disk tiers' I/O pools and copied in now
+        (``wait``: a synchronous read, counted) or by :meth:`stage` (a read ahead)."""
         pool = self.buffers[buffer]
         tickets = [self.mover.copy_slots(layer, t, src, pool, dst, pages=batch.pages_by_tier[t],
                                          after=after, wait=wait)
                    for t, src, dst in batch.copies if batch.pages_by_tier[t]]
-        for t, src, starts, dst in batch.reads:
-            self.mover.read_into(layer, t, src, starts, pool, dst)
+        if batch.reads:
+            job = self.disk.read(layer, buffer, batch.reads)
+            if wait:
+                self.disk.land(layer, pool, after=after, job=job)
+                self.telemetry.layers[layer].disk_sync_pages += len(job.rows)
         return tickets
 
     def stage(self, layer: int, tabs: LayerTables, buffer: int
@@ -141,10 +154,16 @@ class Prefetcher:
         if pre is not None:
             self._wait_all(pre.tickets)
             if pre.version == tabs.cold_version and pre.selection is None:
+                if self.disk is not None and self.disk.jobs[layer] is not None:
+                    job = self.disk.jobs[layer]
+                    self.disk.land(layer, self.buffers[pre.buffer])
+                    tel.disk_staged_pages += len(job.rows)
                 tel.prefetch_hits += pre.pages  # every cold page arrived ahead of the layer
                 yield pre.batch.table, self.buffers[pre.buffer]
                 return
             tel.wasted_prefetches += pre.pages
+            if self.disk is not None:
+                self.disk.cancel(layer)
         for batch in self.pages.cold_batches(layer, self.mover.tiers):
             if not batch.table.total:
                 continue
@@ -174,7 +193,7 @@ class Prefetcher:
         # sorted: a row with fewer than k candidates gets its real ones first (padding is -inf)
         idx = torch.topk(scores, k, dim=1).indices  # [B, k]
         torch.gather(tabs.cand_lse, 1, idx, out=rc.table.lse_index.view(b, k))
-        if rc.table.first_lane is not None:
+        if tabs.cand_first is not None:
             torch.gather(tabs.cand_first, 1, idx, out=rc.table.first_lane.view(b, k))
         src = full = tabs.cand_slots.gather(2, idx.expand(tabs.cand_slots.shape[0], b, k))
         cols = tabs.cand_cols.gather(1, idx)
@@ -199,12 +218,60 @@ class Prefetcher:
             tel.late_misses += rc.table.total + rc.padding
             tel.wasted_prefetches += sel.pages + rc.padding
             tel.prefetch_hits -= rc.padding
+        if rc.table.first_lane is not None and tabs.cand_first is None:
+            rc.table.first_lane.zero_()  # (disk staging's mask below needs the array)
         # a captured step counts on the device: its host totals would be baked in
         host_total = sel is None and not self.mover.direct
+        if self.disk is not None and self.mover.on_disk(layer):
+            src = self._recall_disk(layer, src, rc, pool, buffer)
+            host_total = False
+            self.disk.note(layer, full)  # the next step stages its disk pages
         self.mover.copy_recalled(layer, src, cols, pool, rc.table.table.indices,
                                  after=self.fence, pages=rc.table.total if host_total else None)
         self.selection[layer] = _Selection(cols, full, k, tabs.cold_version, rc.table.total)
         yield rc.table, pool
+
+    def _recall_disk(self, layer: int, src: torch.Tensor, rc: _RecallLayout,
+                     pool: torch.Tensor, buffer: int) -> torch.Tensor:
+        """Copy the selected disk pages the disk stage holds into their staging rows (one
+        launch per disk tier, by slot lists built on the device); the others are read now
+        (``disk_misses="read"``: the selection comes to the host first) or masked out of this
+        step (``"defer"``: a miss, counted on the device). Returns ``src`` without the disk
+        tiers."""
+        disk = self.disk
+        need = None
+        if self.disk_misses == "read":  # the selection's disk slots, on the host now
+            want = src.index_select(0, disk.tier_rows(src.device))
+            host = torch.empty(want.shape, dtype=want.dtype,
+                               pin_memory=self.device.type == "cuda")
+            self.engine.wait_host(self.engine.to_host(want, host))
+            self.telemetry.layers[layer].disk_selection_reads += 1
+            need = [h.view(-1).numpy() for h in host]
+        elif disk.jobs[layer] is None:  # nothing read ahead (prefetch off): read it now
+            job = disk.stage_selection(layer, buffer)
+            if job is not None:
+                self.telemetry.layers[layer].disk_sync_pages += len(job.rows)
+        staged = disk.staged(layer, buffer, need)
+        dst = rc.table.table.indices
+        missed = torch.zeros_like(src[0], dtype=torch.bool)
+        src = src.clone()
+        for i, t in enumerate(disk.disk):
+            mine = src[t - 1]
+            row = disk.maps[layer, i].gather(0, mine.clamp_min(0).view(-1).long()).view_as(mine)
+            ok = (mine >= 0) & (row >= 0)
+            missed |= (mine >= 0) & (row < 0)
+            if staged is not None:
+                host, job = staged
+                rows = torch.where(ok, row, -1).view(-1)
+                ticket = self.engine.copy(host, rows, pool, dst, after=self.fence)
+                self.engine.wait(ticket)
+                disk.copied(job, ticket)
+                self.telemetry.count_recalled(layer, t, torch.where(ok, mine, -1))
+                self.telemetry.layers[layer].copy_launches += 1
+            src[t - 1] = -1
+        self.telemetry.count_disk_missed(layer, missed)
+        rc.table.first_lane.view_as(missed).masked_fill_(missed, self.pages.page_size)
+        return src
 
     def recall_layout(self, tabs: LayerTables, k: int) -> _RecallLayout:
         """The staged table of a ``k``-page selection (row ``b`` at ``b * k`` with
@@ -214,7 +281,8 @@ class Prefetcher:
         step keeps reading the same buffers; call it before a replay)."""
         b = self.pages.batch_size
         counts = [min(k, c) for c in tabs.candidates.counts]
-        key = (k, tabs.cand_first is not None)
+        # a disk tier's misses are masked through the first lanes: the array is always there
+        key = (k, tabs.cand_first is not None or self.disk is not None)
         layout = self._recall_layouts.get(key)
         i32 = dict(dtype=torch.int32, device=self.device)
         if layout is None:
@@ -224,7 +292,7 @@ class Prefetcher:
                                       row_count=torch.zeros(b, **i32),
                                       last_page_len=torch.zeros(b, **i32)),
                             torch.zeros(b * k, **i32),
-                            torch.zeros(b * k, **i32) if tabs.cand_first is not None else None,
+                            torch.zeros(b * k, **i32) if key[1] else None,
                             [0] * b),
                 first, (torch.arange(b, **i32) * k)[:, None], (first + b * k).view(b, k), 0,
                 torch.arange(k, **i32))
@@ -262,17 +330,22 @@ class Prefetcher:
         buffer = ring_slot(self.calls[layer], layer, self.num_layers)
         if not recall:
             cold = self.pages.cold_batches(layer, self.mover.tiers)
-            if len(cold) != 1 or cold[0].reads or not cold[0].table.total:
-                return  # several batches (or disk reads): the layer streams them itself
+            if len(cold) != 1 or not cold[0].table.total:
+                return  # several batches: the layer streams them itself
             batch = cold[0]
             tickets = self._copy(layer, batch, buffer, after=self.engine.fence(), wait=False)
             self.in_flight[layer] = _InFlight(tickets, buffer, tabs.cold_version,
                                               batch.table.total, batch=batch)
             return
+        if self.disk is not None and self.mover.on_disk(layer):
+            # the disk pages of the previous selection, read into host staging now; the
+            # layer copies what it selects again (recall on the device, no prefetch there)
+            self.disk.stage_selection(layer, buffer)
+            return
         sel = self.selection[layer]
         b = self.pages.batch_size
         if sel is None or sel.version != tabs.cold_version or not sel.pages or \
-                self.mover.on_disk(layer) or 2 * b * sel.k > self.staging_pages:
+                2 * b * sel.k > self.staging_pages:
             return
         rc = self.recall_layout(tabs, sel.k)
         tickets = self.mover.copy_recalled(layer, sel.src, sel.cols, self.buffers[buffer],
@@ -282,6 +355,8 @@ class Prefetcher:
 
     def cancel(self, layer: int) -> None:
         """Let ``layer``'s copies in flight land, then forget them (their buffer is free)."""
+        if self.disk is not None:
+            self.disk.cancel(layer)
         fl = self.in_flight[layer]
         if fl is not None:
             self._wait_all(fl.tickets)
@@ -295,6 +370,8 @@ class Prefetcher:
     def reset(self) -> None:
         """Forget every prefetch, selection and ring position (after a load or reorder)."""
         self.cancel_all()
+        if self.disk is not None:
+            self.disk.cancel_all()
         self.selection = [None] * self.num_layers
         self.calls = [0] * self.num_layers
 

@@ -6,8 +6,8 @@ rename; safetensors only). :func:`load` validates the whole file -- format, fing
 dtypes and shapes from this cache (never from the file), checksum, and the consistency of its
 tables (lengths vs live pages, tier indices, flags, padding, importance) -- and checks that every
 tier has room, before it changes anything; the file's disk pages are then written into the disk
-tier's next generation of files, and only when all of them landed is the old content released
-(a failure deletes what was written and leaves the old content as it was).
+tier's next generation (a segment file of its own), and only when all of them landed is the old
+segment dropped (a failure deletes the new one and leaves the old content as it was).
 """
 
 from __future__ import annotations
@@ -102,29 +102,26 @@ def load(cache, path: str | Path) -> None:
                     f"{path}: layer {layer} holds {int(counts[ti])} pages in the {t.kind} tier, "
                     f"which has {t.capacity} slots per layer here; load it into a cache whose "
                     f"{t.kind} capacity_pages is at least that. Nothing changed.")
-    # the disk pages go first, into the disk tiers' next generation of files: the old content
-    # is untouched until every write landed (a failure deletes what was written)
+    # the disk pages go first, into the disk tiers' next generation's segment: the old content
+    # is untouched until every write landed (a failure deletes the new segment)
     disks = [(ti, t) for ti, t in enumerate(cache.tiers) if not t.is_memory]
-    written: list[tuple] = []
     try:
         for layer, (tier, live, _) in enumerate(plans):
             for ti, t in disks:
                 sel = (tier[live[:, 0], live[:, 1]] == ti).nonzero().flatten()
                 slots = list(range(len(sel)))
-                written.append((t, layer, slots))
                 t.write(layer, slots, data[f"layer{layer}.pages"][sel],
                         (live[sel, 1] * cache.page_size).tolist(),
                         generation=t.generation + 1)
     except BaseException as e:
-        for t, layer, slots in written:
-            for slot in slots:
-                t.path(layer, slot, t.generation + 1).unlink(missing_ok=True)
+        for _, t in disks:  # the next generation's segment goes, with whatever it got
+            t.discard(t.generation + 1)
         raise validate.io_error(e, f"loading {path} (writing its disk pages)") from e
     # commit: nothing below does I/O
     cache.prefetcher.cancel_all()
     cache.reset()
     for _, t in disks:
-        t.generation += 1
+        t.advance()
     pages = cache.pages
     pages.alive = data["alive"].bool()
     pages.pad = data["pad"].clone()

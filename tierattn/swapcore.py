@@ -277,6 +277,12 @@ class SwapStore:
         for request_id in list(self.entries):
             self.discard(request_id)
 
+    def close(self) -> None:
+        """Forget every request and delete the disk tiers' segment files."""
+        self.clear()
+        for t in self.tiers:
+            t.close()
+
     def _release(self, entry: _Entry) -> None:
         for t, slots, _ in entry.parts:
             self.tiers[t].release(0, slots)
@@ -389,7 +395,7 @@ class Swapper:
         forgotten); the first store calibrates the transfer costs. ``prefill_chunk``: most
         tokens of one request the engine prefills per forward (prices a recompute)."""
         if self.store is not None:
-            self.store.clear()
+            self.store.close()
         self.store, self.prefill_chunk = store, prefill_chunk
         self._swapped.clear()
         self._recomputing.clear()

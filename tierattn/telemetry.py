@@ -30,6 +30,10 @@ class LayerCounters:
     prefetch_hits: int = 0  # pages a layer needed that were already in flight
     late_misses: int = 0  # pages fetched synchronously because no prefetch covered them
     wasted_prefetches: int = 0  # prefetched pages the layer did not attend
+    disk_staged_pages: int = 0  # disk pages read into host staging ahead of their layer
+    disk_sync_pages: int = 0  # disk pages read while their layer waited (no read ahead)
+    disk_missed_pages: int = 0  # recall, "defer": selected disk pages not staged (next step)
+    disk_selection_reads: int = 0  # recall, "read": selections copied back to find disk misses
     evicted_tokens: int = 0
     window_dropped_tokens: int = 0  # left a sliding window: no query can see them again
     demoted_pages: int = 0
@@ -48,6 +52,9 @@ class LayerCounters:
             "d2h_launches_decode": self.d2h_launches_decode,
             "prefetch_hits": self.prefetch_hits, "late_misses": self.late_misses,
             "wasted_prefetches": self.wasted_prefetches, "evicted_tokens": self.evicted_tokens,
+            "disk_staged_pages": self.disk_staged_pages, "disk_sync_pages": self.disk_sync_pages,
+            "disk_missed_pages": self.disk_missed_pages,
+            "disk_selection_reads": self.disk_selection_reads,
             "window_dropped_tokens": self.window_dropped_tokens,
             "demoted_pages": self.demoted_pages, "attend_calls": self.attend_calls,
             "decode_steps": self.decode_steps, "host_time_s": self.host_time_s,
@@ -71,11 +78,17 @@ class Telemetry:
         self.recalled = torch.zeros(num_layers, max(1, len(tier_kinds)), dtype=torch.int64,
                                     device=device)
         self.hits = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        self.disk_missed = torch.zeros(num_layers, dtype=torch.int64, device=device)
 
     def reset(self) -> None:
         self.layers = [LayerCounters() for _ in self.layers]
         self.recalled.zero_()
         self.hits.zero_()
+        self.disk_missed.zero_()
+
+    def count_disk_missed(self, layer: int, missed) -> None:
+        """Add selected disk pages that were not staged (``missed``: bool), on the device."""
+        self.disk_missed[layer:layer + 1].add_(missed.sum())
 
     def count_recalled(self, layer: int, tier: int, slots) -> None:
         """Add the pages of ``slots`` (-1: none) recalled from ``tier``, on the device."""
@@ -88,9 +101,11 @@ class Telemetry:
     def _fold_device(self) -> list[LayerCounters]:
         """The host counters with the device-counted ones folded in (copies; one read)."""
         recalled, hits = self.recalled.tolist(), self.hits.tolist()
+        missed = self.disk_missed.tolist()
         out = []
-        for c, rec, h in zip(self.layers, recalled, hits):
+        for c, rec, h, m in zip(self.layers, recalled, hits, missed):
             c = copy.deepcopy(c)
+            c.disk_missed_pages += m
             for ti, n in enumerate(rec):
                 if n:
                     c.h2d_bytes[self.tier_kinds[ti]] += n * self.page_bytes
@@ -119,7 +134,9 @@ def summarize(per_layer: list[dict]) -> dict:
     for key in ("h2d_bytes_total", "d2h_bytes_total", "h2d_decode_bytes", "copy_launches",
                 "copy_launches_decode", "d2h_launches_decode", "kernel_launches",
                 "prefetch_hits", "late_misses", "wasted_prefetches", "evicted_tokens",
-                "window_dropped_tokens", "demoted_pages", "attend_calls", "host_time_s"):
+                "window_dropped_tokens", "demoted_pages", "attend_calls", "host_time_s",
+                "disk_staged_pages", "disk_sync_pages", "disk_missed_pages",
+                "disk_selection_reads"):
         total[key] = sum(d[key] for d in per_layer)
     for key in ("h2d_bytes", "d2h_bytes"):
         merged: dict[str, int] = defaultdict(int)

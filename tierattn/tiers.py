@@ -11,8 +11,9 @@ of :class:`Tier` in this file and one entry in :func:`build_tier`.
 * ``cxl``: a host pool with CXL's bandwidth profile. On Linux, when ``numa_node`` is given, it is
   first-touched by a thread bound to that node's CPUs, so the kernel places its pages there (the
   node of a CXL memory expander); elsewhere it is an ordinary host pool (a documented stand-in);
-* ``disk``: one safetensors file per page under a directory (:mod:`tierattn.kvfile`: atomic
-  writes, digest names, every read validated before any allocation).
+* ``disk``: one segment file of page-aligned slots per tier under a directory
+  (:mod:`tierattn.segment`: batched positional I/O on a small thread pool, a checksum per page
+  in the page map, every read validated; no fsync -- a tier is a cache of the process).
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tierattn.config import TierConfig, TierSpec
 from tierattn.errors import KVCapacityError, TierConfigError
 from tierattn.kernels.sketch import sketch_bytes
-from tierattn.kvfile import expect, kv_file_name, read_kv_file, write_kv_file
+from tierattn.segment import Segment, pool_for, submit
 
 __all__ = ["DiskTier", "MemoryTier", "Tier", "available_memory", "build_tier", "memory_for",
            "plan_memory"]
@@ -121,6 +124,9 @@ class Tier(ABC):
         """Mark every slot of ``layer`` free, in the order of a new tier (``alloc(layer, n)``
         then returns ``0..n-1``); for a layer whose slots were all released."""
         self._free[layer] = list(range(self.capacity - 1, -1, -1))
+
+    def close(self) -> None:  # noqa: B027 - memory tiers: their pools go with the object
+        """Release what the tier holds outside the process's memory (a disk tier's files)."""
 
     @abstractmethod
     def read(self, layer: int, slots: list[int], token_starts: list[int]) -> torch.Tensor:
@@ -216,15 +222,19 @@ def _first_touch_on(numa_node: int | None):
 
 
 class DiskTier(Tier):
-    """One safetensors file per (layer, slot) page under ``directory``.
+    """Pages in a segment file under ``directory`` (:mod:`tierattn.segment`): one file per
+    generation of the tier, whatever the number of pages, each page an aligned slot.
 
-    Each file records the cache fingerprint, page size, layer, slot and the page's first token;
-    a read checks all of them, the shape and dtype from the config (never from the file) and
-    the checksum before it allocates anything, and raises :class:`KVFileError` otherwise.
+    A read checks the page map (the slot holds the page of that first token), the file (not
+    deleted or truncated) and every page's checksum, and raises :class:`KVFileError` otherwise;
+    shape and dtype come from the config, never from the file. Writes are batched positional
+    I/O on ``io_threads`` threads, never fsynced (a tier is a cache of this process; its file is
+    deleted when the tier goes).
     """
 
     def __init__(self, num_layers: int, capacity: int, page_shape: tuple[int, ...],
-                 dtype: torch.dtype, directory: str | Path, fingerprint: str) -> None:
+                 dtype: torch.dtype, directory: str | Path, fingerprint: str, *,
+                 io_threads: int = 4) -> None:
         super().__init__("disk", num_layers, capacity, page_shape, dtype)
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
@@ -236,55 +246,103 @@ class DiskTier(Tier):
             raise TierConfigError(f"tiers: cannot create the disk tier's folder "
                                   f"{self.directory} ({e}); give a writable folder.") from e
         self.fingerprint = fingerprint
-        #: files of a generation never collide with another's (a load writes the next one
-        #: before the old content is released)
+        self.num_layers = num_layers
+        #: the I/O pool: large batches are split over it, staging reads run on it
+        self.pool = pool_for(io_threads)
+        #: a load writes the next generation's segment before the current one is dropped
         self.generation = 0
-        self._max_bytes = self.page_bytes + (1 << 16)
+        self._segments: dict[int, Segment] = {}
+        #: reads in flight on the pool, per layer: a release waits for them (its slot may be
+        #: rewritten right after)
+        self._reading: list[list[Future]] = [[] for _ in range(num_layers)]
+        self.segment(0)  # opened now: a folder that cannot hold it fails at construction
 
-    def _key(self, layer: int, slot: int, generation: int | None = None) -> str:
+    def segment(self, generation: int | None = None) -> Segment:
+        """The segment of ``generation`` (default: the current one), opened on first use."""
         gen = self.generation if generation is None else generation
-        return f"{self.fingerprint}/g{gen}/layer{layer}/slot{slot}"
+        seg = self._segments.get(gen)
+        if seg is None:
+            try:
+                seg = Segment(self.directory, self.fingerprint, self.num_layers, self.capacity,
+                              self.page_shape, self.dtype, gen, self.pool)
+            except OSError as e:
+                if gen == self.generation and not self._segments:
+                    raise TierConfigError(f"tiers: cannot create a segment file in the disk "
+                                          f"tier's folder {self.directory} ({e}); give a "
+                                          "writable folder.") from e
+                raise
+            self._segments[gen] = seg
+        return seg
 
-    def _meta(self, layer: int, slot: int, token_start: int) -> dict[str, str]:
-        return {"kind": "page", "fingerprint": self.fingerprint,
-                "page_size": str(self.page_shape[1]), "layer": str(layer), "slot": str(slot),
-                "token_start": str(token_start)}
-
-    def path(self, layer: int, slot: int, generation: int | None = None) -> Path:
-        return self.directory / kv_file_name(self._key(layer, slot, generation))
+    def path(self, generation: int | None = None) -> Path:
+        """The segment file of ``generation`` (default: the current one)."""
+        return self.segment(generation).path
 
     def write(self, layer, slots, pages, token_starts, *, generation: int | None = None):
-        """Store the pages, one atomic file each; if one fails (disk full, an I/O error, an
-        interrupt), the files this call wrote are deleted before the error propagates."""
-        pages = pages.detach().to("cpu")
-        started = []  # the slots are fresh: any file under their names is this call's
-        try:
-            for i, (slot, start) in enumerate(zip(slots, token_starts)):
-                started.append(slot)
-                write_kv_file(self.directory, self._key(layer, slot, generation),
-                              {"kv": pages[i]}, self._meta(layer, slot, start))
-        except BaseException:
-            for slot in started:  # a failure after the rename (the folder's fsync) included
-                self.path(layer, slot, generation).unlink(missing_ok=True)
-            raise
+        """Store the pages in one batch of positional writes; if it fails (disk full, an I/O
+        error, an interrupt), the slots hold nothing and the error propagates."""
+        if slots:
+            self.segment(generation).write(layer, slots, pages.detach().to("cpu"), token_starts)
 
     def read(self, layer, slots, token_starts):
         out = torch.empty((len(slots), *self.page_shape), dtype=self.dtype)
-        for i, (slot, start) in enumerate(zip(slots, token_starts)):
-            meta = self._meta(layer, slot, start)
-            check = lambda h, meta=meta: expect(
-                h, meta=meta, tensors={"kv": (self.dtype, tuple(self.page_shape))})
-            out[i] = read_kv_file(self.path(layer, slot), check,
-                                  max_file_bytes=self._max_bytes)["kv"]
+        self.segment().read_into(layer, slots, token_starts, out)
         return out
 
+    def read_into(self, layer: int, slots: list[int], token_starts: list[int],
+                  out: torch.Tensor, rows: list[int]) -> None:
+        """Read pages into rows ``rows`` of ``out`` (a contiguous CPU pool), validated."""
+        self.segment().read_into(layer, slots, token_starts, out, rows)
+
+    def read_async(self, layer: int, slots: list[int], token_starts: list[int],
+                   out: torch.Tensor, rows: list[int]) -> Future:
+        """:meth:`read_into` on the I/O pool (inline without one); its slots are not released
+        (nor rewritten) before it finished."""
+        seg = self.segment()
+        fut = submit(self.pool, lambda: seg.read_into(layer, slots, token_starts, out, rows))
+        pending = self._reading[layer]
+        pending[:] = [f for f in pending if not f.done()]
+        pending.append(fut)
+        return fut
+
+    def held(self, layer: int, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The first token of the page each slot holds (-1: none) and the slot's write count
+        (a page read earlier is still there while the count is unchanged)."""
+        seg, idx = self.segment(), np.asarray(slots, dtype=np.int64)
+        return seg.starts[layer, idx].copy(), seg.writes[layer, idx].copy()
+
+    def _settle(self, layer: int | None = None) -> None:
+        """Wait for the reads in flight (of ``layer``, or all); their errors are for their
+        waiters."""
+        for lst in self._reading if layer is None else [self._reading[layer]]:
+            for f in lst:
+                f.exception()
+            lst.clear()
+
     def release(self, layer, slots):
-        for slot in slots:
-            try:
-                self.path(layer, slot).unlink()
-            except OSError:  # a file left behind is never read: its slot is rewritten whole
-                pass
+        self._settle(layer)
+        self.segment().forget(layer, slots)  # a released slot reads as empty
         super().release(layer, slots)
+
+    def discard(self, generation: int) -> None:
+        """Drop a generation's segment (a load that failed part way)."""
+        self._settle()
+        seg = self._segments.pop(generation, None)
+        if seg is not None:
+            seg.close()
+
+    def advance(self) -> None:
+        """Make the next generation current and drop the old segment (a load landed)."""
+        self.discard(self.generation)
+        self.generation += 1
+        self.segment()
+
+    def close(self) -> None:
+        """Delete the segment files and stop the I/O pool (also when the tier is collected)."""
+        for gen in list(self._segments):
+            self.discard(gen)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
 
 
 def build_tier(spec: TierSpec, *, num_layers: int, capacity: int, page_shape: tuple[int, ...],
@@ -358,6 +416,8 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
             + (sketch_bytes(page_shape[1], page_shape[2], page_shape[3], cfg.key_bits)
                if cfg.key_sketch else 0)))])
     need.setdefault("cpu", []).append(("page tables", num_layers * rows * 10))
+    if any(spec.kind == "disk" for spec in cfg.tiers):  # disk pages land in host staging first
+        need["cpu"].append(("disk staging", ring * staging_pages * page_bytes))
     for where, items in need.items():
         total = sum(n for _, n in items)
         have = memory_for(total, device if where == "cuda" else torch.device("cpu"))
