@@ -116,7 +116,8 @@ def test_decode_steps_read_nothing_back(name, shape, tmp_path):
     tel = cache.telemetry.layers
     spills = sum(c.demoted_pages for c in tel) if disk else 0
     recall_disk = bool(disk) and cache.config.attend == "topk"
-    notes = steps * L if recall_disk else 0
+    # (with "read" the synchronous copy is the note as well: one copy per layer and step)
+    notes = steps * L if recall_disk and cache.config.disk_misses == "defer" else 0
     # disk_misses="read" brings each selection with disk pages back synchronously (counted):
     # the one device read a step may make, and only then; "defer" makes none
     sync = sum(c.disk_selection_reads for c in tel)

@@ -91,12 +91,20 @@ def test_large_batches_split_over_the_pool_land_whole(tmp_path, seed):
     out = torch.empty_like(data)
     seg.read_into(0, slots, slots, out)
     assert torch.equal(out, data)
-    # one long run of adjacent slots is cut into pieces, one per thread
-    assert len(seg._cut([(seg._offset(1, 0), [None] * 256)], 4)) == 4
-    seg.write(1, list(range(256)), data, list(range(256)))
+    # two long runs of adjacent slots (fewer runs than threads): cut, so every thread reads
+    calls = {"n": 0}
+    real = os.preadv
+
+    def counted(*a):
+        calls["n"] += 1
+        return real(*a)
+    slots = list(range(128)) + list(range(300, 428))
+    seg.write(1, slots, data, slots)
     out.zero_()
-    seg.read_into(1, list(range(256)), list(range(256)), out)
-    assert torch.equal(out, data)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "preadv", counted)
+        seg.read_into(1, slots, slots, out)
+    assert torch.equal(out, data) and calls["n"] == 4  # 2 runs x 2 pieces of 1 MiB
     pool.shutdown()
 
 

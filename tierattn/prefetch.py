@@ -142,7 +142,6 @@ class Prefetcher:
             job = self.disk.read(layer, buffer, batch.reads)
             if wait:
                 self.disk.land(layer, pool, after=after, job=job)
-                self.telemetry.layers[layer].disk_sync_pages += len(job.rows)
         return tickets
 
     def stage(self, layer: int, tabs: LayerTables, buffer: int
@@ -154,10 +153,8 @@ class Prefetcher:
         if pre is not None:
             self._wait_all(pre.tickets)
             if pre.version == tabs.cold_version and pre.selection is None:
-                if self.disk is not None and self.disk.jobs[layer] is not None:
-                    job = self.disk.jobs[layer]
+                if self.disk is not None:
                     self.disk.land(layer, self.buffers[pre.buffer])
-                    tel.disk_staged_pages += len(job.rows)
                 tel.prefetch_hits += pre.pages  # every cold page arrived ahead of the layer
                 yield pre.batch.table, self.buffers[pre.buffer]
                 return
@@ -224,8 +221,9 @@ class Prefetcher:
         host_total = sel is None and not self.mover.direct
         if self.disk is not None and self.mover.on_disk(layer):
             src = self._recall_disk(layer, src, rc, pool, buffer)
+            if self.disk_misses == "defer":  # the next step stages its disk pages
+                self.disk.selection_to_host(layer, full, wait=False)
             host_total = False
-            self.disk.note(layer, full)  # the next step stages its disk pages
         self.mover.copy_recalled(layer, src, cols, pool, rc.table.table.indices,
                                  after=self.fence, pages=rc.table.total if host_total else None)
         self.selection[layer] = _Selection(cols, full, k, tabs.cold_version, rc.table.total)
@@ -240,11 +238,9 @@ class Prefetcher:
         tiers."""
         disk = self.disk
         need = None
-        if self.disk_misses == "read":  # the selection's disk slots, on the host now
-            want = src.index_select(0, disk.tier_rows(src.device))
-            host = torch.empty(want.shape, dtype=want.dtype,
-                               pin_memory=self.device.type == "cuda")
-            self.engine.wait_host(self.engine.to_host(want, host))
+        if self.disk_misses == "read":  # the selection's disk slots, on the host now (and
+            # noted: the next step stages them)
+            host = disk.selection_to_host(layer, src, wait=True)
             self.telemetry.layers[layer].disk_selection_reads += 1
             need = [h.view(-1).numpy() for h in host]
         elif disk.jobs[layer] is None:  # nothing read ahead (prefetch off): read it now

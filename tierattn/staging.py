@@ -10,15 +10,17 @@ them to the device staging buffer with the same page-copy launch as a DDR page.
   :meth:`DiskStage.land` waits for them when the layer runs. Without a prefetch in flight (the
   first step after an edit, ``prefetch="none"``) the same read runs when the layer does: a
   synchronous read, counted (``disk_sync_pages``).
-* Recall (``attend="topk"``): the pages are chosen on the device, per step. The host learns a
-  selection only through the transfer engine's asynchronous ``to_host`` (:meth:`note`), a step
-  later: the disk pages of the previous step's selection are staged (:meth:`stage_selection`),
-  and a device-side map (disk slot -> staged row, :meth:`staged`) lets the step copy the ones
-  it selects again. A staged row stays valid while its slot is not rewritten (the segment
-  counts writes per slot), so an edit between the steps costs only the pages it moved. A page selected now that was not selected before is a *miss*: it is
-  masked out of this step's attention (its table entry's first lane set past the page) and
-  staged for the next step -- reading it now would need the selection on the host, a device
-  read in the step. Misses are counted on the device (``disk_missed_pages``).
+* Recall (``attend="topk"``): the pages are chosen on the device, per step, and reach the host
+  through the transfer engine's ``to_host`` (:meth:`selection_to_host`). The disk pages of the
+  previous step's selection are staged a layer ahead (:meth:`stage_selection`), and a
+  device-side map (disk slot -> staged row, :meth:`staged`) lets the step copy those it
+  selects again; a staged row stays valid while its slot is not rewritten (the segment counts
+  writes per slot), so an edit between steps costs only the pages it moved. A page selected
+  now that was not staged is read at its layer (``disk_misses="read"``: the selection is
+  copied back synchronously, one device read per layer with disk pages, and the missed pages
+  counted as ``disk_sync_pages``) or left out of this step and staged for the next
+  (``"defer"``: no device read; its table entry's first lane set past the page, counted on the
+  device as ``disk_missed_pages``).
 """
 
 from __future__ import annotations
@@ -80,7 +82,11 @@ class DiskStage:
         #: recall: per layer and disk tier, disk slot -> staged row of the layer's buffer
         self.maps = torch.full((num_layers, len(self.disk), cap), -1, dtype=torch.int32,
                                device=device)
-        self._noted: list[tuple | None] = [None] * num_layers  # (ticket, slots, cols) on host
+        #: per layer: (ticket, host copy of the selection's disk slots) of the last step
+        self._noted: list[tuple | None] = [None] * num_layers
+        #: the disk tiers' rows in a selection's ``[tiers - 1, B, k]`` slot tensor
+        self._rows = torch.tensor([t - 1 for t in self.disk], device=device)
+        self._hosts: list[torch.Tensor | None] = [None] * num_layers  # per-layer selection copy
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -152,12 +158,19 @@ class DiskStage:
     def land(self, layer: int, dst_pool: torch.Tensor, *, after: object = None,
              job: _Job | None = None) -> None:
         """Exact attention: wait for ``layer``'s reads, then copy them from host staging into
-        ``dst_pool`` (the device staging buffer) with one page-copy launch."""
+        ``dst_pool`` (the device staging buffer) with one page-copy launch. Counted as staged
+        (read ahead: ``layer``'s own job) or synchronous (``job`` given: read at the layer)."""
+        sync = job is not None
         job = job or self.jobs[layer]
         self.jobs[layer] = None
         if job is None:
             return
         self._wait(job)
+        c = self.telemetry.layers[layer]
+        if sync:
+            c.disk_sync_pages += len(job.rows)
+        else:
+            c.disk_staged_pages += len(job.rows)
         if not job.rows:
             return
         i32 = dict(dtype=torch.int32)
@@ -179,16 +192,22 @@ class DiskStage:
 
     # --- recall --------------------------------------------------------------------------------
 
-    def note(self, layer: int, src: torch.Tensor) -> None:
-        """Start copying ``layer``'s selection to the host, asynchronously: ``src [tiers - 1,
-        B, k]`` its slots per lower tier (-1: not there). The next step stages its disk pages."""
-        want = src.index_select(0, self.tier_rows(src.device))
-        host = torch.empty(want.shape, dtype=want.dtype, pin_memory=self.device.type == "cuda")
-        self._noted[layer] = (self.engine.to_host(want, host), host)
-
-    def tier_rows(self, device: torch.device) -> torch.Tensor:
-        """Rows of the disk tiers in a selection's ``[tiers - 1, ...]`` slot tensor."""
-        return torch.tensor([t - 1 for t in self.disk], device=device)
+    def selection_to_host(self, layer: int, src: torch.Tensor, *, wait: bool) -> torch.Tensor:
+        """Copy ``layer``'s selection's disk slots (``src [tiers - 1, B, k]``: its slots per
+        lower tier, -1: not there) into the layer's host buffer and note them for the next
+        step's staging: asynchronously, or (``wait``) landed when this returns (a device read).
+        Returns the host copy ``[disk tiers, B, k]``."""
+        want = src.index_select(0, self._rows)
+        host = self._hosts[layer]
+        if host is None or host.shape != want.shape:  # allocated once per layer and shape
+            host = self._hosts[layer] = torch.empty(want.shape, dtype=want.dtype,
+                                                    pin_memory=self.device.type == "cuda")
+        ticket = self.engine.to_host(want, host)
+        if wait:
+            self.engine.wait_host(ticket)
+            ticket = None
+        self._noted[layer] = (ticket, host)
+        return host
 
     def stage_selection(self, layer: int, buffer: int) -> _Job | None:
         """Start reading the disk pages of ``layer``'s noted selection into host buffer
@@ -200,7 +219,8 @@ class DiskStage:
         if noted is None:
             return None
         ticket, host = noted
-        self.engine.wait_host(ticket)
+        if ticket is not None:
+            self.engine.wait_host(ticket)
         reads, writes = [], []
         slot_rows = torch.full(self.maps.shape[1:], -1, dtype=torch.int32)
         at = 0
