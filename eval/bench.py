@@ -221,7 +221,8 @@ class _Queries:
 
 
 def _config(spec: BenchSpec, context: int, mode: str, budget: float, backend: str) -> TierConfig:
-    extra = {"recall_budget": spec.recall} if mode != "offload" else {}
+    extra = {"recall_budget": spec.recall, "recall_scope": "sequence"} \
+        if mode != "offload" else {}
     if mode == "topk-sync":
         extra["prefetch"] = "none"
     return TierConfig.preset(mode.removesuffix("-sync"), hot_budget=budget,

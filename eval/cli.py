@@ -232,7 +232,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         return 0
     from tierattn.eval.reasoning import ReasoningSpec, run_reasoning, summary
 
-    kw = dict(budgets=args.budgets or (0.25, 0.5, 0.75),
+    kw = dict(budgets=args.budgets or ReasoningSpec.budgets,
               page_size=args.page_size or ReasoningSpec.page_size,
               **({"recall": args.recall} if args.recall else {}), backend=args.backend,
               **({"methods": args.methods} if args.methods else {}),
@@ -484,7 +484,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="reasoning: also teacher-force every cell on the gold answer for token "
                          "KL and top-1 agreement with the full cache (--full always does)")
     ev.add_argument("--budgets", type=_floats, default=None,
-                    help="comma-separated HBM ratios (reasoning default 0.25,0.5,0.75)")
+                    help="comma-separated HBM ratios (reasoning default 0.1,0.25,0.5,0.75)")
     ev.add_argument("--methods", type=_choices(METHOD_NAMES), default=None,
                     help="comma-separated methods (reasoning default: full, offload, topk, "
                          "evict-snapkv, evict-h2o, oracle; --full and the other evals: all of "
@@ -502,8 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "needs small pages; 16 for fidelity, keytier and --data)")
     ev.add_argument("--recall", type=_float_in(0.0, 1.0, lo_open=True), default=None,
                     help="cold pages the topk methods recall per step, as a fraction of the "
-                         "sequence, in "
-                         "(0, 1] (default 0.2, tierattn.eval.methods.RECALL)")
+                         "cold tokens (keytier: of the candidate pages), in "
+                         "(0, 1] (default 0.25, tierattn.eval.methods.RECALL)")
     ev.add_argument("--seed", type=int, default=None)
     ev.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                     help="kernel backend (auto: Triton on CUDA, the torch reference on CPU)")

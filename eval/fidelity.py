@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from tierattn.errors import TierAttnError
 from tierattn.eval.methods import METHODS as ALL_METHODS
-from tierattn.eval.methods import RECALL, key_tier_fraction, plan_cell, sketch_bits
+from tierattn.eval.methods import RECALL, key_tier_fraction, plan_cell, sketch_bits, sketch_rank
 from tierattn.eval.metrics import kl_summary, mcnemar, token_kl, wilson
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
 from tierattn.eval.runner import Decoded, decode
@@ -354,6 +354,7 @@ def run_fidelity(spec: FidelitySpec | None = None, *, out_root: str | Path | Non
             "resident_hbm": stats["total"]["resident_fraction"].get("hbm", 0.0)
             if stats else 1.0,
             "key_tier": key_tier_fraction(cfg), "key_bits": sketch_bits(cfg),
+            "key_rank": sketch_rank(cfg),
             "seconds": time.perf_counter() - start,
             **({"reference": "cached" if cached is not None else "computed"}
                if cfg is None else {}),

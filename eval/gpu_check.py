@@ -376,7 +376,7 @@ def section_pipeline(ctx: dict) -> dict:
         "ours offload 50%, sync fetch": TierConfig.preset("offload", hot_budget=0.5,
                                                           prefetch="none", **common),
         "ours topk 10%+10%": TierConfig.preset("topk", hot_budget=0.1, recall_budget=0.1,
-                                               **common),
+                                               recall_scope="sequence", **common),
     }
     # the same with every layer's decode step captured in a CUDA graph and replayed
     for name in list(variants):

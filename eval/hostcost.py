@@ -434,19 +434,20 @@ def host_row(variant: str, context: int, batch: int, *, steps: int = 64, layers:
                               kernels=stub_kernels(), engine=engine)
         kv = lambda t: torch.zeros(batch, kv_heads, t, head_dim, dtype=torch.bfloat16,
                                    device=device)
-        q = torch.zeros(batch, q_heads, 1, head_dim, dtype=torch.bfloat16, device=device)
+        q = lambda t: torch.zeros(batch, q_heads, t, head_dim, dtype=torch.bfloat16,
+                                  device=device)
         for start in range(0, context, chunk):
             for layer in range(layers):
                 t = min(chunk, context - start)
                 cache.update(layer, kv(t), kv(t))
-                cache.attend(layer, q)
+                cache.attend(layer, q(t))  # a prompt chunk (a projected key sketch is fitted)
         cache.telemetry.reset()
-        one = kv(1)
+        one, q1 = kv(1), q(1)
         with measure(cache) as m:
             for _ in range(steps):
                 for layer in range(layers):
                     cache.update(layer, one, one)
-                    cache.attend(layer, q)
+                    cache.attend(layer, q1)
         return cache, m
 
     with _threads(threads):

@@ -18,6 +18,10 @@ page is a candidate, which isolates the ranking from the demotion policy.
 ``sketch-B``       the key sketch at ``B`` bits per channel in the runtime's shared range
                    (``topk``'s selector, ``sketch_reduce="lse"``): ``B / 32`` of 16-bit K+V
 ``sketch-4-max``   the 4-bit sketch ranked by the page's largest logit (``topk-max``)
+``sketch-B-rF``    the ``B``-bit sketch of each key projected onto the ``F * D`` principal
+                   directions of the prompt's post-RoPE logits per layer and KV head
+                   (``key_rank=F``; :func:`~tierattn.importance.key_basis`): ``B F / 32`` of
+                   16-bit K+V
 ``quest``          Quest's bound from the page's key range (``topk-quest``): ``1 / page_size``
 ``quest-2x``       the two-round mode: Quest's shortlist of twice the recall, re-ranked by the
                    attention mass of its full-precision keys (fetched for the shortlist: 1.5x
@@ -32,6 +36,7 @@ per step against a one-round recall of the same pages (``fetch``).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,14 +47,16 @@ from tqdm import tqdm
 from tierattn.config import TierConfig
 from tierattn.eval.methods import RECALL, key_tier_fraction
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
-from tierattn.importance import Importance, sketch_range
+from tierattn.importance import Importance, key_basis, sketch_range
 from tierattn.kernels import PageTable, quantize_keys, quest_score, sketch_score
 from tierattn.policy import rank_pages
 
 __all__ = ["SELECTORS", "KeyTierSpec", "probe_key_tiers", "run_keytier", "summary"]
 
 #: the selectors compared (see the module docstring)
-SELECTORS = ("oracle", "sketch-8", "sketch-4", "sketch-2", "sketch-4-max", "quest", "quest-2x")
+SELECTORS = ("oracle", "sketch-8", "sketch-4", "sketch-2", "sketch-4-max", "sketch-8-r0.1875",
+             "sketch-4-r0.375", "sketch-2-r0.75", "sketch-4-r0.25", "quest", "quest-2x")
+_SKETCH = re.compile(r"sketch-(2|4|8)(?:-r(0\.\d+|1\.0))?(-max)?")
 #: bytes a selector fetches per step against a one-round recall of as many pages: the two-round
 #: mode fetches the keys of a shortlist twice the recall (half a page each), then the values
 FETCH = {"quest-2x": 1.5}
@@ -91,9 +98,16 @@ class KeyTierSpec:
                              f"{self.continuation + 2 * self.page_size} tokens.")
         if not 0.0 < self.recall <= 1.0:
             raise ValueError(f"recall={self.recall!r} must be a fraction in (0, 1].")
-        unknown = [s for s in self.selectors if s not in SELECTORS]
+        unknown = [s for s in self.selectors if s not in SELECTORS and not (
+            _SKETCH.fullmatch(s) and 0 < _sketch(s)[1] <= 1)]
         if unknown or not self.selectors:
             raise ValueError(f"selectors={self.selectors!r}: choose from {SELECTORS}.")
+
+
+def _sketch(selector: str) -> tuple[int, float, str]:
+    """``(bits, key_rank, reduce)`` of a ``sketch-B[-rF][-max]`` selector."""
+    bits, rank, top = _SKETCH.fullmatch(selector).groups()
+    return int(bits), float(rank or 1.0), "max" if top else "lse"
 
 
 def selector_tier(selector: str, page_size: int) -> float | None:
@@ -101,10 +115,12 @@ def selector_tier(selector: str, page_size: int) -> float | None:
     the oracle, which reads the true attention)."""
     if selector == "oracle":
         return None
-    score = "quest" if selector.startswith("quest") else "sketch"
-    bits = 4 if score == "quest" else int(selector.split("-")[1])
-    return key_tier_fraction(TierConfig.preset("topk", page_size=page_size, recall_score=score,
-                                               key_bits=bits))
+    if selector.startswith("quest"):
+        return key_tier_fraction(TierConfig.preset("topk", page_size=page_size,
+                                                   recall_score="quest"))
+    bits, rank, _ = _sketch(selector)
+    return key_tier_fraction(TierConfig.preset("topk", page_size=page_size, key_bits=bits,
+                                               key_rank=rank))
 
 
 def _capture(model, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -165,21 +181,29 @@ def _layer_missed(q: torch.Tensor, k: torch.Tensor, spec: KeyTierSpec,
     scores: dict[str, list[torch.Tensor]] = {}
     if "oracle" in selectors:
         scores["oracle"] = [share.sum(-1) for share in shares]
-    lo = hi = None
+    prompt = t_len - spec.continuation  # the runtime fits the sketch on the prompt's keys
+    first, first_len = k[:, :prompt].permute(1, 0, 2)[None], torch.tensor([prompt], device=dev)
+    first_q = q[:, :prompt].view(hkv, g, prompt, d).permute(2, 0, 1, 3)  # [N, H_kv, G, D]
     for sel in selectors:
         if sel.startswith("sketch"):
-            if lo is None:  # the runtime's range: the prompt's keys, widened by its margin
-                prompt = t_len - spec.continuation
-                lo, hi = sketch_range(k[:, :prompt].permute(1, 0, 2)[None],
-                                      torch.tensor([prompt], device=dev),
-                                      Importance.SKETCH_MARGIN)
-            bits, reduce = int(sel.split("-")[1]), "max" if sel.endswith("max") else "lse"
+            bits, rank, reduce = _sketch(sel)
+            cfg = TierConfig.preset("topk", key_bits=bits, key_rank=rank)
+            r = cfg.key_channels(d)
+            sq, spages, sfirst = qs, pages, first
+            if r < d:  # the runtime's projection: principal directions of the prompt's keys
+                basis = key_basis(first, first_len, r, first_q)  # [H_kv, D, r]
+                sq = torch.einsum("mkgd,kdr->mkgr", qs.view(-1, hkv, g, d), basis).reshape(
+                    qs.shape[0], hq, r)
+                spages = torch.einsum("npkd,kdr->npkr", pages, basis)
+                sfirst = torch.einsum("npkd,kdr->npkr", first, basis)
+            # the runtime's range: the prompt's keys, widened by its margin
+            lo, hi = sketch_range(sfirst, first_len, Importance.SKETCH_MARGIN)
             n = pages.shape[0]
             rows_lo, rows_hi = lo.expand(n, -1, -1), hi.expand(n, -1, -1)
-            codes = quantize_keys(pages, rows_lo, rows_hi, bits=bits)
-            flat = sketch_score(qs, codes, rows_lo.contiguous(), rows_hi.contiguous(), table,
-                                bits=bits, reduce=reduce, sm_scale=scale,
-                                backend=spec.backend)
+            codes = quantize_keys(spages, rows_lo, rows_hi, bits=bits)
+            flat = sketch_score(sq.contiguous(), codes, rows_lo.contiguous(),
+                                rows_hi.contiguous(), table, bits=bits, reduce=reduce,
+                                sm_scale=scale, backend=spec.backend)
             scores[sel] = [rank_pages(r, reduce)[0] for r in per_row(flat)]
         elif sel.startswith("quest") and "quest" not in scores:
             kmin, kmax = pages.amin(1).contiguous(), pages.amax(1).contiguous()

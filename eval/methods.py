@@ -13,10 +13,10 @@ holds a partial page over its share; a cell whose must-hot pages do not fit in i
 ``full``           the model's own attention and cache (the reference; no budget)
 ``offload``        ``hbm`` hot, the rest demoted to DDR and fetched back for every step
                    (``attend="all"``): exact, whatever the budget
-``topk``           ``hbm`` minus the key tier hot, plus the ``RECALL`` best cold pages per step
-                   by the key sketch (each page's estimated share of each KV head's attention,
-                   from ``KEY_BITS``-bit keys in HBM; 2-bit keys where a 4-bit tier leaves
-                   no room for the must-hot pages), fetched from DDR into staging
+``topk``           ``hbm`` minus the key tier hot, plus the best ``RECALL`` of the cold pages
+                   per step by the key sketch (each page's estimated share of each KV head's
+                   attention, from 4-bit codes of every key projected onto 3/8 of the head
+                   dim: ``KEY_TIERS``), fetched from DDR into staging
 ``topk-max``       the same ranked by the sketch's largest logit per page (the needle finder)
 ``topk-quest``     the same with Quest's bound instead of the sketch (the key range only)
 ``evict-h2o``      ``hbm`` kept, the rest dropped by accumulated attention (H2O)
@@ -34,11 +34,20 @@ Must-hot pages count inside the budget, so each method keeps the smallest set it
 design needs: the page being filled always, the sink page for every method but ``topk``
 (StreamingLLM, R-KV and the others keep the first tokens; ``topk`` recalls the first page like
 any other when its keys score), no extra recent pages. ``topk``'s resident share is what its key
-tier leaves: at 25% HBM, 25% - 12.5% (4-bit sketch) = 12.5%. Where the 4-bit tier leaves no
-room for the must-hot pages (10% HBM), the sketch narrows to 2 bits (6.25%) rather than the cell
-being reported infeasible: on SmolLM2 at 2K and 10% HBM, 2-bit keys give KL 0.029 and top-1
-0.891 where the best eviction (SnapKV) gives 0.111 and 0.758; at 25%, 4 bits and a 12.5% hot
-share beat 2 bits and 18.75% (KL 0.0135 vs 0.0156), so the widest tier that fits wins.
+tier leaves: at 25% HBM, 25% - 4.7% = 20.3%. The key tier is 4-bit codes of each key projected
+onto the 3/8 of the head dim that carry the prompt's logits (``key_rank=0.375``,
+:func:`~tierattn.importance.key_basis`). Measured on the reasoner (200 items, 8-token pages,
+recall 25% of the cold pages): it scores 0.975 / 0.990 / 0.995 / 0.990 at 10 / 25 / 50 / 75% HBM,
+where every channel at 4 bits (12.5%) scores - / 0.970 / 0.990 / 0.975 at a 20% recall (0.970 /
+0.985 / 0.995 / 0.990 projected at that recall): the pages the smaller tier gives back to the
+hot set are worth more than the channels it drops. On SmolLM2 (``tierattn eval keytier``, 2K
+context, 8-token pages, 10% recalled) it misses 1.05x the oracle's attention mass, against
+1.03x for every channel at 4 bits and 1.23x at 2 bits (6.25%). Below 4.7% of a prompt's room
+(5% HBM) the tier narrows to 1/4 of the head dim (3.1%; 1.08x the oracle there).
+
+Recall follows the budget (``recall_scope="cold"``): ``RECALL`` of the tokens outside the hot
+set, so ``topk`` moves about ``RECALL x (1 - hbm + key tier) / (1 - hbm)`` of offload's bytes at
+every budget (a fraction of the *sequence*, as before, moved 20% at 25% HBM but 65% at 75%).
 
 Why 8-token pages (``PAGE_SIZE``): on the reasoner's ~290-token prompts a 16-token page is 5.5%
 of the prompt, so at 25% HBM ``topk`` keeps 2 resident pages and a recall of 20% fetches ~3
@@ -64,9 +73,10 @@ from dataclasses import dataclass
 
 from tierattn.config import TierConfig, TierSpec
 
-__all__ = ["METHODS", "PAGE_SIZE", "RECALL", "TOPK", "SINK_PAGES", "RECENT_PAGES", "Cell",
+__all__ = ["KEY_TIERS", "METHODS", "PAGE_SIZE", "RECALL", "TOPK", "SINK_PAGES", "RECENT_PAGES",
+           "Cell",
            "evict_ratio", "grid_config", "key_tier_fraction", "method_config", "plan_cell",
-           "sketch_bits"]
+           "sketch_bits", "sketch_rank"]
 
 METHODS = ("full", "offload", "topk", "topk-max", "topk-quest", "evict-h2o", "evict-snapkv",
            "evict-snapkv-decode", "evict-rkv", "evict-streaming", "evict-random", "oracle")
@@ -77,12 +87,14 @@ TOPK = ("topk", "topk-max", "topk-quest")
 SKETCH_METHODS = ("topk", "topk-max")
 #: tokens per page of the eval (see the module docstring)
 PAGE_SIZE = 8
-#: pages top-k recalls per step, as a fraction of the sequence (into staging, outside the
-#: budget; ``TierConfig.recall_budget``)
-RECALL = 0.2
-#: bits per key channel of ``topk``'s key sketch: the widest of these that leaves the must-hot
-#: pages room (:func:`plan_cell`)
-KEY_BITS = (4, 2)
+#: pages top-k recalls per step, as a fraction of the cold tokens (``recall_scope="cold"``:
+#: a fixed share of what offload moves at every budget; into staging, outside the budget;
+#: ``TierConfig.recall_budget``)
+RECALL = 0.25
+#: ``(key_bits, key_rank)`` of ``topk``'s key sketch: the first of these that leaves the
+#: must-hot pages room (:func:`plan_cell`): 4-bit codes of 3/8 of the channels, projected
+#: (4.7% of the KV bytes), else of 1/4 (3.1%)
+KEY_TIERS = ((4, 0.375), (4, 0.25))
 #: the must-hot set (see the module docstring); ``topk`` keeps no sink page
 SINK_PAGES, RECENT_PAGES = 1, 0
 #: bytes per K or V element the budgets are counted in (16-bit KV)
@@ -94,16 +106,25 @@ def sketch_bits(config: TierConfig | None) -> int | None:
     return config.key_bits if config is not None and config.key_sketch else None
 
 
+def sketch_rank(config: TierConfig | None) -> float | None:
+    """The share of the head dim ``config``'s key sketch keeps (None without one)."""
+    return config.key_rank if config is not None and config.key_sketch else None
+
+
 def key_tier_fraction(config: TierConfig | None) -> float:
     """HBM the key tier of ``config`` holds, as a fraction of the full K+V bytes: the key range
     (two rows of ``D`` per page against ``2 P`` rows of K and V) and the key sketch
-    (``key_bits`` per key channel against ``2 x 16`` bits of K and V; its quantization range,
-    one per layer, KV head and channel, is negligible)."""
+    (``key_bits`` per kept key channel -- ``key_rank`` of them, a fraction of the head dim --
+    against ``2 x 16`` bits of K and V; its quantization range and projection, per layer and
+    KV head, are negligible)."""
     if config is None:
         return 0.0
     frac = 1.0 / config.page_size if config.key_range else 0.0
     if config.key_sketch:
-        frac += config.key_bits / (8 * 2 * KV_BYTES)
+        if not isinstance(config.key_rank, float):
+            raise ValueError(f"key_rank={config.key_rank!r}: the eval counts a key sketch's "
+                             "channels as a fraction of the head dim; pass a float.")
+        frac += config.key_bits * config.key_rank / (8 * 2 * KV_BYTES)
     return frac
 
 
@@ -130,7 +151,8 @@ class Cell:
 
 def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_context: int = 4096,
                   backend: str = "auto", seed: int = 0, recall: float = RECALL,
-                  key_bits: int = KEY_BITS[0]) -> TierConfig | None:
+                  key_bits: int = KEY_TIERS[0][0], key_rank: float = KEY_TIERS[0][1]
+                  ) -> TierConfig | None:
     """The TierConfig of ``method`` at HBM ratio ``hbm`` (None for ``full``), sized so that its
     resident pages and key tier together hold at most ``hbm`` of the KV bytes; ``recall``: the
     cold pages the ``topk`` methods recall per step, as a fraction of the sequence (into
@@ -146,7 +168,7 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
     if not 0.0 < hbm <= 1.0:
         raise ValueError(f"hbm={hbm!r} must be a fraction in (0, 1].")
     if not 0.0 < recall <= 1.0:
-        raise ValueError(f"recall={recall!r} must be a fraction of the sequence in (0, 1].")
+        raise ValueError(f"recall={recall!r} must be a fraction of the cold tokens in (0, 1].")
     common = {"page_size": page_size, "max_context": max_context, "backend": backend,
               "prefill_chunk_size": max_context, "seed": seed, "sink_pages": SINK_PAGES,
               "recent_pages": RECENT_PAGES, "budget_rounding": "down"}
@@ -157,8 +179,9 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
     if method in TOPK:
         score = "sketch" if method in SKETCH_METHODS else "quest"
         reduce = "max" if method == "topk-max" else "lse"
-        cfg = TierConfig.preset("topk", recall_budget=recall, recall_score=score,
-                                sketch_reduce=reduce, key_bits=key_bits, prefetch="none",
+        cfg = TierConfig.preset("topk", recall_budget=recall, recall_scope="cold",
+                                recall_score=score, sketch_reduce=reduce, key_bits=key_bits,
+                                key_rank=key_rank, prefetch="none",
                                 **{**common, "sink_pages": 0})
         resident = round(hbm - key_tier_fraction(cfg), 6)
         if resident <= 0:
@@ -179,27 +202,30 @@ def plan_cell(method: str, hbm: float, *, prompt_tokens: int, page_size: int = P
               recall: float = RECALL) -> Cell:
     """``method`` at ``hbm`` with its accounting; infeasible when the must-hot pages do not fit
     in the resident share of the shortest prompt (``prompt_tokens``). A key sketch takes the
-    widest of :data:`KEY_BITS` that leaves them room (the narrowest attempt's reason when none
+    first of :data:`KEY_TIERS` that leaves them room (the last attempt's reason when none
     does)."""
-    widths = KEY_BITS if method in SKETCH_METHODS else KEY_BITS[:1]
+    tiers = KEY_TIERS if method in SKETCH_METHODS else KEY_TIERS[:1]
     cells = []
-    for bits in widths:
-        cells.append(_plan(method, hbm, bits, prompt_tokens=prompt_tokens, page_size=page_size,
-                           max_context=max_context, backend=backend, seed=seed, recall=recall))
+    for bits, rank in tiers:
+        cells.append(_plan(method, hbm, bits, rank, prompt_tokens=prompt_tokens,
+                           page_size=page_size, max_context=max_context, backend=backend,
+                           seed=seed, recall=recall))
         if cells[-1].feasible:
             return cells[-1]
     if len(cells) == 1:
         return cells[0]
-    tried = "; ".join(f"{b}-bit sketch: {c.reason.rstrip('.')}" for b, c in zip(widths, cells))
+    tried = "; ".join(f"{b}-bit sketch of {r:g} of the channels: {c.reason.rstrip('.')}"
+                      for (b, r), c in zip(tiers, cells))
     return dataclasses.replace(cells[-1], reason=tried)
 
 
-def _plan(method: str, hbm: float, key_bits: int, *, prompt_tokens: int, page_size: int,
-          max_context: int, backend: str, seed: int, recall: float) -> Cell:
-    """:func:`plan_cell` at one sketch width."""
+def _plan(method: str, hbm: float, key_bits: int, key_rank: float, *, prompt_tokens: int,
+          page_size: int, max_context: int, backend: str, seed: int, recall: float) -> Cell:
+    """:func:`plan_cell` at one key sketch."""
     try:
         cfg = method_config(method, hbm, page_size=page_size, max_context=max_context,
-                            backend=backend, seed=seed, recall=recall, key_bits=key_bits)
+                            backend=backend, seed=seed, recall=recall, key_bits=key_bits,
+                            key_rank=key_rank)
     except ValueError as e:
         if method not in METHODS or not 0.0 < hbm <= 1.0 or not 0.0 < recall <= 1.0:
             raise

@@ -11,6 +11,10 @@ the codes alone, ``bits / 32`` of 16-bit K+V, 12.5% at 4 bits):
     code[j, c] = round((k[j, c] - kmin[c]) / (kmax[c] - kmin[c]) * L),   L = 2**bits - 1
     k_hat[j, c] = kmin[c] + code[j, c] * (kmax[c] - kmin[c]) / L
 
+(A smaller tier scores *projected* keys with the same kernel: ``D`` is then the projection's rank,
+the codes are of ``basis^T k`` and the query is ``basis^T q``; see
+:func:`tierattn.importance.key_basis`.)
+
 and scores the page from the estimated logits ``s_gj = softcap(sm_scale q_g . k_hat_j)`` of the
 ``G`` query heads of the KV head's group and the page's ``P`` keys, reduced one of two ways:
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tierattn.eval.methods import (METHODS, RECALL, grid_config, key_tier_fraction,
-                                   method_config, plan_cell, sketch_bits)
+                                   method_config, plan_cell, sketch_bits, sketch_rank)
 from tierattn.eval.metrics import (first_divergence, kl_summary, mcnemar, token_kl, trace_length,
                                    wilson)
 from tierattn.eval.report import format_table, new_results_dir, write_csv
@@ -82,33 +82,36 @@ def test_method_configs_hold_equal_hbm_bytes():
         else:
             assert cfg.hot_budget == 0.5 and cfg.evict_budget == 0 and cfg.attend == "all"
             assert key_tier_fraction(cfg) == 0  # offload keeps no key range
-    # the 4-bit sketch: 4 of the 32 bits of a key and value channel; Quest's range: 2 rows/page
-    assert key_tier_fraction(method_config("topk", 0.5)) == pytest.approx(0.125)
+    # the key sketch: 4-bit codes of 3/8 of the channels, 1.5 of the 32 bits of a key and
+    # value channel; every channel at 4 bits: 4 of 32; Quest's range: 2 rows/page
+    assert key_tier_fraction(method_config("topk", 0.5)) == pytest.approx(0.046875)
+    assert key_tier_fraction(method_config("topk", 0.5, key_rank=1.0)) == pytest.approx(0.125)
     assert key_tier_fraction(method_config("topk-quest", 0.5, page_size=16)) == \
         pytest.approx(0.0625)
     assert method_config("topk", 0.5).prefetch == "none"
+    # recall follows the budget: a share of the cold tokens
+    assert method_config("topk", 0.5).recall_scope == "cold"
     # feasibility: must-hot pages inside the resident share of the shortest prompt
     assert plan_cell("evict-h2o", 0.25, prompt_tokens=290).feasible  # 2 of 9 pages
-    assert plan_cell("topk", 0.25, prompt_tokens=290).feasible  # 4 pages of 12.5%
-    # at 4 bits 2.5% of 290 holds no whole 16-token page; at 2 bits 8.75% holds one
-    cell = plan_cell("topk", 0.15, prompt_tokens=290, page_size=16)
-    assert cell.feasible and cell.config.key_bits == 2
-    # a 4-bit tier (12.5%) alone exceeds 10%: the sketch narrows to 2 bits (6.25%), and its
-    # 3.75% holds one 8-token page of a 290-token prompt
+    assert plan_cell("topk", 0.25, prompt_tokens=290).feasible  # 7 pages of 20.3%
+    # 10%: the 4.7% tier leaves 5.3% of 290 tokens, one 8-token page
     cell = plan_cell("topk", 0.1, prompt_tokens=290)
-    assert cell.feasible and cell.config.key_bits == 2 and sketch_bits(cell.config) == 2
-    assert cell.key_tier == pytest.approx(0.0625) and cell.resident == pytest.approx(0.0375)
-    assert cell.config.hot_budget == pytest.approx(0.0375)
-    assert plan_cell("topk-max", 0.1, prompt_tokens=290).config.key_bits == 2
-    assert plan_cell("topk", 0.2, prompt_tokens=290).config.key_bits == 4  # the widest fits
-    cell = plan_cell("topk", 0.05, prompt_tokens=290)  # neither width fits: both reasons
+    assert cell.feasible and (cell.config.key_bits, cell.config.key_rank) == (4, 0.375)
+    assert sketch_bits(cell.config) == 4 and sketch_rank(cell.config) == 0.375
+    assert cell.key_tier == pytest.approx(0.046875)
+    assert cell.config.hot_budget == pytest.approx(0.053125)
+    # 7%: 2.3% of 290 holds no 8-token page; the 1/4-rank tier (3.1%) leaves 3.9%, one page
+    cell = plan_cell("topk-max", 0.07, prompt_tokens=290)
+    assert cell.feasible and cell.config.key_rank == 0.25
+    cell = plan_cell("topk", 0.03, prompt_tokens=290)  # neither tier fits: both reasons
     assert not cell.feasible and cell.reason.count("key tier") == 2
-    assert "4-bit sketch" in cell.reason and "2-bit sketch" in cell.reason
-    cell = plan_cell("topk", 0.1, prompt_tokens=100, page_size=16)  # 2 bits: no whole page
-    assert not cell.feasible and "key tier" in cell.reason and "must-hot" in cell.reason
+    assert "0.375 of the channels" in cell.reason and "0.25 of the channels" in cell.reason
+    cell = plan_cell("topk", 0.1, prompt_tokens=100, page_size=16)  # no whole page
+    assert not cell.feasible and "must-hot" in cell.reason
     assert plan_cell("topk-quest", 0.1, prompt_tokens=290).reason.startswith("topk-quest")
     assert sketch_bits(method_config("topk-quest", 0.5)) is None
     assert sketch_bits(None) is None and sketch_bits(method_config("offload", 0.5)) is None
+    assert sketch_rank(method_config("topk-quest", 0.5)) is None
     assert method_config("evict-random", 0.5).evict_policy == "random"
     g = grid_config(0.2, 0.5)
     assert (g.hot_budget, g.evict_budget, g.evict_policy) == (0.2, 0.5, "h2o")
@@ -268,17 +271,20 @@ def test_verdict_claims():
     """The verdict's claims follow the cells: each flips when its condition does."""
     from tierattn.eval.reasoning import ReasoningSpec, verdict, verdict_table
 
-    def cells(topk_acc, off_p=1.0, snap_acc=0.4):
+    def cells(topk_acc, off_p=1.0, snap_acc=0.4, topk_h2d=250.0):
         return [_cell("full", 1.0, 0.99)] + [
             c for b in (0.25, 0.5) for c in (
                 _cell("offload", b, 0.99, h2d=1000.0, p=off_p),
-                _cell("topk", b, topk_acc, h2d=250.0),
+                _cell("topk", b, topk_acc, h2d=topk_h2d),
                 _cell("evict-snapkv", b, snap_acc), _cell("evict-h2o", b, 0.1),
                 _cell("oracle", b, 0.9))]
 
     good = verdict(cells(0.97))
     assert good["claims"] == {"offload_keeps_full": True, "topk_within_tolerance": True,
-                              "offload_beats_eviction": True, "topk_beats_eviction": True}
+                              "topk_bytes": True, "offload_beats_eviction": True,
+                              "topk_beats_eviction": True}
+    assert verdict(cells(0.97, topk_h2d=300.0))["claims"]["topk_bytes"]  # 30%: the limit
+    assert not verdict(cells(0.97, topk_h2d=301.0))["claims"]["topk_bytes"]
     assert good["budgets"][0.25]["best_eviction"] == "evict-snapkv"
     assert good["budgets"][0.25]["topk"]["bytes_vs_offload"] == 0.25
     assert not verdict(cells(0.95))["claims"]["topk_within_tolerance"]  # 4 points below

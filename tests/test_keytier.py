@@ -36,6 +36,11 @@ def test_exact_selection_is_the_floor_and_the_sketch_converges(tiny):
     rows = {r["selector"]: r for r in probe_key_tiers(model, segs, spec, progress=False)}
     assert model.config._attn_implementation == attn  # the capture is undone
     assert tuple(rows) == SELECTORS
+    full = {r["selector"]: r for r in probe_key_tiers(
+        model, segs, KeyTierSpec(**{**spec.__dict__, "selectors": ("sketch-4-r1.0", "sketch-4")}),
+        progress=False)}
+    # every channel kept is the unprojected sketch, to the bit
+    assert full["sketch-4-r1.0"]["missed_mass"] == full["sketch-4"]["missed_mass"]
     floor = rows["oracle"]["missed_mass"]
     # 2 layers x 2 segments x 8 positions, every one a real probe
     assert all(r["probes"] == 2 * 2 * 8 for r in rows.values())
@@ -62,8 +67,12 @@ def test_key_tiers_are_costed_as_the_eval_costs_them():
         assert selector_tier("quest", p) == key_tier_fraction(method_config("topk-quest", 0.5,
                                                                             page_size=p))
         for bits in (2, 4):
-            cfg = method_config("topk", 0.5, page_size=p, key_bits=bits)
+            cfg = method_config("topk", 0.5, page_size=p, key_bits=bits, key_rank=1.0)
             assert selector_tier(f"sketch-{bits}", p) == key_tier_fraction(cfg) == bits / 32
+        # the eval's default tier: 4-bit codes of 3/8 of the channels
+        cfg = method_config("topk", 0.5, page_size=p)
+        assert selector_tier("sketch-4-r0.375", p) == key_tier_fraction(cfg) == 0.375 * 4 / 32
+        assert selector_tier("sketch-2-r0.75", p) == selector_tier("sketch-8-r0.1875", p)
     assert selector_tier("sketch-4-max", 16) == 0.125 and selector_tier("oracle", 16) is None
     assert selector_tier("quest-2x", 16) == selector_tier("quest", 16) == 1 / 16
 
@@ -73,6 +82,8 @@ def test_key_tiers_are_costed_as_the_eval_costs_them():
     (dict(recall=0.0), "recall"),
     (dict(recall=1.5), "recall"),
     (dict(selectors=("oracle", "sketch-3")), "choose from"),
+    (dict(selectors=("sketch-4-r0",)), "choose from"),
+    (dict(selectors=("sketch-4-r1.5",)), "choose from"),
     (dict(selectors=()), "choose from"),
     (dict(every=0), "every"),
     (dict(page_size=True), "page_size"),

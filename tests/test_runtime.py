@@ -223,6 +223,37 @@ def test_topk_recall_budget_bounds_traffic(seed):
     assert all(x["prefetch_hits"] + x["late_misses"] <= 10 * 2 for x in layers)
 
 
+def test_recall_follows_the_budget():
+    """``recall_scope="cold"``: the recall is a share of the tokens outside the hot (and evict)
+    budget, so it shrinks as the budget grows; never more than the sequence scope."""
+    cfg = TierConfig.preset("topk", page_size=8, budget_rounding="down", recall_budget=0.25)
+    assert cfg.recall_scope == "cold"
+    seq = cfg.replace(recall_scope="sequence")
+    for hot, want in ((0.1, 28), (0.25, 24), (0.5, 16), (0.75, 8)):  # 1024 tokens, 128 pages
+        c = cfg.replace(hot_budget=hot)
+        assert c.recall_pages(128, 1024) == want == int(0.25 * (1 - hot) * 1024) // 8
+        assert c.recall_pages(128, 1024) <= seq.replace(hot_budget=hot).recall_pages(128, 1024)
+    assert seq.recall_pages(128, 1024) == 32  # a share of the whole sequence
+    # tokens are tokens whatever the scope; an evict budget leaves fewer cold tokens
+    assert cfg.replace(recall_budget=40).recall_pages(128, 1024) == 5
+    assert cfg.replace(hot_budget=0.25, evict_budget=0.25).recall_pages(128, 1024) == 16
+    assert cfg.replace(hot_budget=100).recall_pages(128, 1000) == 28  # 900 cold tokens
+    assert cfg.replace(hot_budget=1.0).recall_pages(128, 1024) == 0
+
+
+def test_key_channels_round_to_whole_bytes():
+    cfg = TierConfig.preset("topk")
+    assert cfg.key_rank == 0.375 and cfg.key_channels(16) == 6 and cfg.key_channels(64) == 24
+    assert cfg.key_channels(128) == 48 and cfg.key_channels(80) == 30
+    assert cfg.replace(key_rank=1.0).key_channels(64) == 64
+    assert cfg.replace(key_rank=24).key_channels(64) == 24  # a count of channels
+    assert cfg.replace(key_rank=500).key_channels(64) == 64  # never more than the head
+    # codes fill whole bytes: a multiple of 8 / key_bits channels, at least one byte's worth
+    assert cfg.replace(key_bits=2, key_rank=0.3).key_channels(64) == 16
+    assert cfg.replace(key_bits=2, key_rank=1).key_channels(64) == 4
+    assert cfg.replace(key_bits=8, key_rank=0.1875).key_channels(16) == 3
+
+
 def test_free_and_reorder_keep_kv_intact(seed):
     cfg = TierConfig(page_size=4, hot_budget=0.5, tiers=TIER_SETS["ddr"], max_context=96,
                      prefill_chunk_size=32, backend="torch")
@@ -335,6 +366,12 @@ BAD_CONFIGS = [
     ("backend", dict(backend="cuda")),
     ("sink_pages", dict(sink_pages=-1)),
     ("max_context", dict(max_context=0)),
+    ("key_rank", dict(key_rank=0.0)),
+    ("key_rank", dict(key_rank=1.5)),
+    ("key_rank", dict(key_rank=0)),
+    ("key_rank", dict(key_rank=True)),
+    ("key_rank", dict(key_rank="half")),
+    ("recall_scope", dict(recall_scope="hot")),
 ]
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tierattn.errors import KernelInputError, KernelUnsupportedError
-from tierattn.importance import Importance
+from tierattn.importance import Importance, key_basis
 from tierattn.kernels.page_table import PageTable
 from tierattn.kernels.score import quest_score
 from tierattn.kernels.sketch import (
@@ -643,3 +643,131 @@ def test_sketch_lse_ranks_pages_by_attention_mass(device, seed, figures):
     assert lse["spearman"].mean() > 0.97 and lse["mass_share"].mean() > 0.97
     assert lse["spearman"].mean() > top["spearman"].mean() + 0.04
     assert lse["mass_share"].mean() > top["mass_share"].mean() + 0.04
+
+
+# --- the projected sketch (key_rank < 1): fit and ranking ---------------------------------------
+
+def _quiet_loud(device, *, sets=32, n=24, p=8, hkv=2, g=2, d=32, r=8):
+    """Page sets whose keys are *loud* (std 4) along ``r`` directions no query reads and
+    *quiet* (std 1) along ``r`` others the queries live in; one key of one page per (set, KV
+    head) points at one of the group's queries there (the needle). Returns keys ``[sets * n, p,
+    hkv, d]``, q ``[sets, hkv * g, d]``, the table, the prompt's queries ``[N, hkv, g, d]``,
+    the needle page per (set, head) ``[sets * hkv]``."""
+    gen = torch.Generator().manual_seed(5)
+    basis = torch.linalg.qr(torch.randn(d, d, generator=gen))[0]
+    loud, quiet = basis[:, :r], basis[:, r:2 * r]
+    keys = (4 * torch.randn(sets * n, p, hkv, r, generator=gen) @ loud.T
+            + torch.randn(sets * n, p, hkv, r, generator=gen) @ quiet.T
+            + 0.1 * torch.randn(sets * n, p, hkv, d, generator=gen))
+    q = 3 * torch.randn(sets, hkv * g, r, generator=gen) @ quiet.T
+    prompt_q = 3 * torch.randn(256, hkv, g, r, generator=gen) @ quiet.T
+    needle = torch.randint(0, n, (sets, hkv), generator=gen)
+    for s, h in itertools.product(range(sets), range(hkv)):
+        qd = q[s, h * g + int(torch.randint(0, g, (1,), generator=gen))]
+        keys[s * n + needle[s, h], 0, h] += 1.5 * qd / qd.norm() * d ** 0.5
+    table = PageTable.from_csr(torch.arange(sets + 1).to(torch.int32) * n,
+                               torch.arange(sets * n).to(torch.int32),
+                               torch.full((sets,), p, dtype=torch.int32))
+    to = dict(device=device)
+    return (keys.to(**to), q.to(**to), table.to(device), prompt_q.to(**to),
+            (needle.view(-1) + 0).to(**to))
+
+
+def _projected_scores(keys, q, table, basis, bits=4):
+    """The runtime's projected sketch: keys and queries through ``basis [H_kv, D, r]``, 4-bit
+    codes in one range per head and channel (the keys' own, widened), the kernel's ``lse``."""
+    n, p, hkv, d = keys.shape
+    pk = torch.einsum("npkd,kdr->npkr", keys, basis)
+    g = q.shape[1] // hkv
+    pq = torch.einsum("bkgd,kdr->bkgr", q.view(q.shape[0], hkv, g, d), basis).reshape(
+        q.shape[0], q.shape[1], -1)
+    lo, hi = pk.amin(dim=(0, 1)), pk.amax(dim=(0, 1))
+    pad = (hi - lo) * Importance.SKETCH_MARGIN
+    lo, hi = (lo - pad).expand(n, -1, -1), (hi + pad).expand(n, -1, -1)
+    codes = quantize_keys(pk, lo, hi, bits=bits)
+    return sketch_score(pq.contiguous(), codes, lo.contiguous(), hi.contiguous(), table,
+                        bits=bits, reduce="lse", sm_scale=d ** -0.5)
+
+
+def test_key_basis_is_orthonormal_and_ignores_padding(device):
+    keys = torch.randn(6, 8, 2, 16, device=device)
+    lens = torch.tensor([8, 8, 8, 8, 8, 3], device=device)
+    q = torch.randn(40, 2, 3, 16, device=device)
+    for queries in (None, q):
+        basis = key_basis(keys, lens, 6, queries)
+        assert basis.shape == (2, 16, 6) and basis.dtype == torch.float32
+        eye = torch.eye(6, device=device).expand(2, -1, -1)
+        torch.testing.assert_close(basis.transpose(1, 2) @ basis, eye, atol=1e-5, rtol=0)
+        junk = keys.clone()
+        junk[5, 3:] = 1e4  # past the last page's length: not keys
+        again = key_basis(junk, lens, 6, queries)
+        # the same subspace (eigenvectors are defined up to sign)
+        torch.testing.assert_close(basis @ basis.transpose(1, 2),
+                                   again @ again.transpose(1, 2), atol=1e-4, rtol=0)
+
+
+def test_projected_sketch_reads_the_directions_queries_use(device, figures):
+    """Keys whose largest variance lies where no query looks: their own principal directions
+    (``queries=None``) keep the loud directions and lose the needle; weighted by the prompt's
+    queries the basis keeps the quiet ones, and a quarter of the head dim at 4 bits ranks the
+    pages like the exact keys (the kernel's scores against exact page masses)."""
+    keys, q, table, prompt_q, needle = _quiet_loud(device)
+    lens = torch.full((keys.shape[0],), keys.shape[1], device=device)
+    exact = _exact_max_logit(q, keys, table, "lse", keys.shape[-1] ** -0.5)
+    rows = {}
+    for name, queries in (("query-weighted", prompt_q), ("keys alone", None)):
+        basis = key_basis(keys, lens, 8, queries)
+        s = _projected_scores(keys, q, table, basis).double()
+        per = s.view(32, 24, 2).transpose(1, 2).reshape(-1, 24)
+        ex = exact.view(32, 24, 2).transpose(1, 2).reshape(-1, 24).double()
+        rows[name] = {"top1": float((per.argmax(1) == needle).double().mean()),
+                      "spearman": float(_spearman(ex, per).mean())}
+        figures.count(f"projected sketch (rank 8 of 32, 4 bits), {name}: needle top-1 of 64",
+                      int(round(64 * rows[name]["top1"])))
+    print(f"\nprojected sketch: {rows}")
+    good, bad = rows["query-weighted"], rows["keys alone"]
+    assert good["top1"] >= 0.95 and good["spearman"] > 0.9
+    assert bad["top1"] < 0.5 and good["spearman"] > bad["spearman"] + 0.3
+
+
+def test_topk_fits_its_projection_on_the_prompt(tmp_path):
+    """The runtime fits the projection when the first prompt chunk's attention brings its
+    queries, codes every prompt page in it, scores decode queries through it; a restored cache
+    (no queries) fits on the keys alone and decodes on."""
+    from tierattn.cache import TieredKVCache
+    from tierattn.config import TierConfig
+
+    cfg = TierConfig.preset("topk", page_size=4, hot_budget=0.25, max_context=128,
+                            prefill_chunk_size=64, backend="torch")
+    assert cfg.key_rank == 0.375
+    cache = TieredKVCache(cfg, num_layers=2, num_kv_heads=2, head_dim=16, batch_size=1,
+                          dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 1, 2, 40, 16, generator=gen)
+    q = torch.randn(1, 4, 40, 16, generator=gen)
+    imp = cache.importance
+    assert imp.basis.shape == (2, 2, 16, 6) and imp.codes.shape[-1] == 3  # 6 channels x 4 bits
+    cache.update(0, k, v)
+    assert not imp._sk_set[0] and imp._unfit[0]  # waits for the chunk's queries
+    cache.attend(0, q)
+    assert imp._sk_set[0] and not imp._unfit[0]
+    pages = k[0].permute(1, 0, 2).reshape(10, 4, 2, 16)
+    want = key_basis(pages, torch.full((10,), 4), 6, q.permute(0, 2, 1, 3).reshape(40, 2, 2, 16))
+    torch.testing.assert_close(imp.basis[0] @ imp.basis[0].transpose(1, 2),
+                               want @ want.transpose(1, 2), atol=1e-4, rtol=0)
+    assert bool((imp.codes[0, :10] != 0).any()) and not bool(imp.codes[0, 10:].any())
+    cache.update(1, k, v)
+    cache.attend(1, q)
+    for _ in range(3):  # decode: the sketch scores the cold pages through the projection
+        for layer in range(2):
+            cache.update(layer, *torch.randn(2, 1, 2, 1, 16, generator=gen))
+            out = cache.attend(layer, torch.randn(1, 4, 1, 16, generator=gen))
+            assert torch.isfinite(out).all()
+    path = cache.save(tmp_path)
+    fresh = TieredKVCache(cfg, num_layers=2, num_kv_heads=2, head_dim=16, batch_size=1,
+                          dtype=torch.float32, device="cpu")
+    fresh.load(path)
+    assert all(fresh.importance._sk_set)  # fitted on the restored keys
+    for layer in range(2):
+        fresh.update(layer, *torch.randn(2, 1, 2, 1, 16, generator=gen))
+        assert torch.isfinite(fresh.attend(layer, torch.randn(1, 4, 1, 16, generator=gen))).all()

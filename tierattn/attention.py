@@ -93,7 +93,8 @@ class Attention:
         if len(alive) and len(touched):
             lens = torch.clamp(n1 - touched * p, max=p).repeat(len(alive))
             self.importance.write_metadata(layer, pool, slot_rows[:, touched].flatten(), lens,
-                                           (rows[:, None] * self.max_pages + touched).flatten())
+                                           (rows[:, None] * self.max_pages + touched).flatten(),
+                                           queries_follow=True)
         st.edited(cold=False)  # the write position and the last page's length moved
 
     def decode(self, layer: int, qd: torch.Tensor, tabs: LayerTables, buffer: int,
@@ -167,6 +168,7 @@ class Attention:
         """A prompt chunk: causal attention over the hot pages, every cold page staged and
         attended, one merge; the chunk's page mass (and SnapKV's) under the merged LSE."""
         ks, tel, st = self.kernels, self.telemetry.layers[layer], self.pages.layers[layer]
+        self.importance.fit_sketch(layer, qd)  # a projected key sketch reads the first queries
         b, hq, t, d = qd.shape
         qf = qd.permute(0, 2, 1, 3).reshape(b * t, hq, d)
         qo = torch.arange(b + 1, dtype=torch.int32, device=self.device) * t

@@ -148,12 +148,14 @@ class TieredKVCache:
             decode_window=eviction.decode_window(config) if eviction else 0,
             kernels=self.kernels, backend=self.backend, telemetry=self.telemetry,
             engine=self.engine, key_range=config.key_range,
-            key_bits=config.key_bits if config.key_sketch else None)
+            key_bits=config.key_bits if config.key_sketch else None,
+            key_rank=config.key_channels(head_dim) if config.key_sketch else None)
         self.mover = Mover(self.tiers, self.pages, self.engine, self.telemetry, self.device)
         self.policies = build_policies(config, self.importance, self.pages, self.mover)
         if not self.policies.recall.exact:  # the tables carry the recall candidates
-            self.pages.recall_pages = config.pages(config.recall_budget, self.max_pages,
-                                                   config.max_context)
+            # recall_scope="sequence" bounds every scope's recall (the tables' capacity)
+            self.pages.recall_pages = config.replace(recall_scope="sequence").recall_pages(
+                self.max_pages, config.max_context)
         self.prefetcher = Prefetcher(num_layers=num_layers, staging_pages=self.staging_pages,
                                      page_shape=self.page_shape, dtype=dtype, device=self.device,
                                      pages=self.pages, mover=self.mover, engine=self.engine,

@@ -152,13 +152,20 @@ class TierConfig:
             ``"topk"`` attends the hot set plus the ``recall_budget`` best cold pages by
             ``recall_score`` (approximate, less traffic).
         recall_budget: cold pages recalled per step, as tokens (int) or a fraction (float)
-            of the sequence's length, in whole pages
-            (``attend="topk"`` only).
+            of ``recall_scope``, in whole pages (``attend="topk"`` only).
+        recall_scope: what a fractional ``recall_budget`` is a fraction of: ``"sequence"``
+            (the sequence's length) or ``"cold"`` (the tokens outside the hot budget, so the
+            recall follows the budget: a fixed share of what exact offload would move, at any
+            ``hot_budget``).
         recall_score: how ``attend="topk"`` ranks cold pages: ``"sketch"`` (the query against
             every key of the page, from the key sketch: each page's keys quantized to
             ``key_bits`` per channel, kept in HBM for every page; see ``sketch_reduce``) or
             ``"quest"`` (Quest's bound from the page's element-wise key range).
         key_bits: bits per key channel of the key sketch (2, 4 or 8).
+        key_rank: channels of the key sketch: ``1.0`` (default) every channel of the key;
+            fewer -- a fraction (float) of the head dim or a count (int) -- projects each key
+            onto the principal directions of the prompt's keys, per layer and KV head, before
+            quantizing (a key tier of ``key_bits * rank / (32 D)`` of the 16-bit KV bytes).
         sketch_reduce: what the sketch ranks a page by: ``"lse"`` (default: its estimated
             attention mass per KV head, the log of its exp-summed logits over the keys and the
             GQA group's query heads, taken as a share of the candidates' mass and summed over
@@ -209,8 +216,10 @@ class TierConfig:
     recent_pages: int = 2
     attend: Attend = "all"
     recall_budget: int | float = 0.1
+    recall_scope: Literal["sequence", "cold"] = "sequence"
     recall_score: RecallScore = "sketch"
     key_bits: int = 4
+    key_rank: int | float = 1.0
     sketch_reduce: SketchReduce = "lse"
     budget_rounding: Literal["up", "down"] = "up"
     score: Score = "mass"
@@ -250,9 +259,14 @@ class TierConfig:
                 fail(knob, f"must be an int >= 0, got {v!r}.")
         if self.key_bits not in (2, 4, 8) or isinstance(self.key_bits, bool):
             fail("key_bits", f"must be 2, 4 or 8, got {self.key_bits!r}.")
+        r = self.key_rank
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or \
+                (isinstance(r, float) and not 0.0 < r <= 1.0) or (isinstance(r, int) and r < 1):
+            fail("key_rank", f"must be a fraction of the head dim in (0, 1] (float) or a "
+                 f"number of channels >= 1 (int), got {r!r}.")
         choices = {"attend": ("all", "topk"), "score": ("mass", "quest", "hybrid"),
                    "recall_score": ("sketch", "quest"), "sketch_reduce": ("max", "lse"),
-                   "budget_rounding": ("up", "down"),
+                   "budget_rounding": ("up", "down"), "recall_scope": ("sequence", "cold"),
                    "evict_policy": ("h2o", "streaming", "snapkv", "snapkv-decode", "rkv",
                                     "random"),
                    "prefetch": ("layer_ahead", "speculative", "none"),
@@ -332,13 +346,35 @@ class TierConfig:
             return min(num_pages, tokens // self.page_size)
         return min(num_pages, -(-tokens // self.page_size) if tokens > 0 else 0)
 
+    def key_channels(self, head_dim: int) -> int:
+        """Channels the key sketch keeps per key of a ``head_dim`` head (``key_rank``): at most
+        ``head_dim``, rounded down to whole bytes of codes (a multiple of ``8 / key_bits``),
+        at least one byte's worth."""
+        r = self.key_rank
+        r = int(r * head_dim + 1e-9) if isinstance(r, float) else r
+        step = 8 // self.key_bits
+        return min(head_dim, max(step, r // step * step))
+
+    def recall_pages(self, num_pages: int, num_tokens: int) -> int:
+        """Cold pages ``attend="topk"`` recalls per step for a sequence of ``num_tokens`` tokens
+        (``num_pages`` pages): ``recall_budget`` of the sequence, or with
+        ``recall_scope="cold"`` of the tokens neither the hot budget nor the evict budget
+        covers. Never more than with ``recall_scope="sequence"`` (which sizes the buffers)."""
+        tokens = num_tokens
+        if self.recall_scope == "cold" and isinstance(self.recall_budget, float):
+            def share(budget: int | float) -> int:
+                return int(round(budget * num_tokens)) if isinstance(budget, float) else budget
+            tokens = max(0, num_tokens - share(self.hot_budget) - share(self.evict_budget))
+        return self.pages(self.recall_budget, num_pages, tokens)
+
 
 #: Named presets. The eviction presets drop everything that is not hot (``evict_budget`` is
 #: the complement of ``hot_budget``), as the baselines' authors define them.
 PRESETS: dict[str, dict] = {
     "dense": {"hot_budget": 1.0, "tiers": _tiers("hbm")},
     "offload": {"hot_budget": 0.5, "attend": "all", "score": "mass"},
-    "topk": {"hot_budget": 0.25, "attend": "topk", "recall_budget": 0.2, "score": "mass"},
+    "topk": {"hot_budget": 0.25, "attend": "topk", "recall_budget": 0.25, "recall_scope": "cold",
+             "key_rank": 0.375, "score": "mass"},
     "evict-h2o": {"hot_budget": 0.5, "evict_budget": 0.5, "evict_policy": "h2o",
                   "tiers": _tiers("hbm")},
     "evict-streaming": {"hot_budget": 0.5, "evict_budget": 0.5, "evict_policy": "streaming",

@@ -284,8 +284,7 @@ class QuestTopK(Recall):
     and the selection shared by the KV heads (max over them)."""
 
     def budget(self, layer):
-        n = self.pages.num_pages(layer)
-        return self.config.pages(self.config.recall_budget, n, self.pages.length(layer))
+        return self.config.recall_pages(self.pages.num_pages(layer), self.pages.length(layer))
 
     def scores(self, layer, q, tabs, *, sm_scale, softcap):
         b, mp = self.pages.batch_size, self.pages.max_pages

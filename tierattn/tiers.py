@@ -413,7 +413,8 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
         ("staging ring", ring * staging_pages * page_bytes),
         ("key range and sketch", num_layers * rows * (
             (2 * page_shape[2] * page_shape[3] * itemsize if cfg.key_range else 0)
-            + (sketch_bytes(page_shape[1], page_shape[2], page_shape[3], cfg.key_bits)
+            + (sketch_bytes(page_shape[1], page_shape[2], cfg.key_channels(page_shape[3]),
+                            cfg.key_bits)
                if cfg.key_sketch else 0)))])
     need.setdefault("cpu", []).append(("page tables", num_layers * rows * 10))
     if any(spec.kind == "disk" for spec in cfg.tiers):  # disk pages land in host staging first
