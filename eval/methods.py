@@ -155,9 +155,9 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
                   ) -> TierConfig | None:
     """The TierConfig of ``method`` at HBM ratio ``hbm`` (None for ``full``), sized so that its
     resident pages and key tier together hold at most ``hbm`` of the KV bytes; ``recall``: the
-    cold pages the ``topk`` methods recall per step, as a fraction of the sequence (into
-    staging);
-    ``key_bits``: the width of the sketch methods' key sketch.
+    cold pages the ``topk`` methods recall per step, as a fraction of the cold tokens (into
+    staging); ``key_bits``, ``key_rank``: the width and the channels (a fraction of the head
+    dim) of the sketch methods' key sketch.
 
     Raises:
         ValueError: unknown ``method``, ``hbm`` outside ``(0, 1]``, or a key tier that alone

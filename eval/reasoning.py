@@ -445,8 +445,8 @@ TOPK_BYTES = 0.30
 def verdict(cells: list[dict]) -> dict:
     """The answer the eval exists for, from the main section's cells: is offload's accuracy
     indistinguishable from the full cache's, does ``topk`` come within :data:`TOPK_TOLERANCE`
-    of it (its bytes as a share of offload's are reported, not judged), and how far does the
-    best eviction baseline fall, at each budget.
+    of it on at most :data:`TOPK_BYTES` of offload's bytes, and how far does the best eviction
+    baseline fall, at each budget.
 
     ``offload_keeps_full`` is "no McNemar test at p < 0.05 against the full cache": no evidence
     of a loss on these items, not a proof of none (offload is exact by construction; the

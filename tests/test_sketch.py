@@ -767,7 +767,83 @@ def test_topk_fits_its_projection_on_the_prompt(tmp_path):
     fresh = TieredKVCache(cfg, num_layers=2, num_kv_heads=2, head_dim=16, batch_size=1,
                           dtype=torch.float32, device="cpu")
     fresh.load(path)
-    assert all(fresh.importance._sk_set)  # fitted on the restored keys
+    # the saved fit comes back: the restored pages are coded as the saved cache coded them
+    assert all(fresh.importance._sk_set)
+    torch.testing.assert_close(fresh.importance.basis, imp.basis, atol=0, rtol=0)
+    torch.testing.assert_close(fresh.importance.sk_lo, imp.sk_lo, atol=0, rtol=0)
+    for layer in range(2):  # every full page (the one being filled is coded when it fills)
+        full = cache.pages.layers[layer].length // 4
+        assert torch.equal(fresh.importance.codes[layer, :full], imp.codes[layer, :full])
     for layer in range(2):
         fresh.update(layer, *torch.randn(2, 1, 2, 1, 16, generator=gen))
         assert torch.isfinite(fresh.attend(layer, torch.randn(1, 4, 1, 16, generator=gen))).all()
+
+
+def test_projection_pending_keys_never_go_stale():
+    """A chunk whose queries never came is fitted on its keys alone before anything else
+    changes: when a second chunk arrives, before a row is freed or moved."""
+    from tierattn.cache import TieredKVCache
+    from tierattn.config import TierConfig
+
+    cfg = TierConfig.preset("topk", page_size=4, hot_budget=0.25, max_context=128,
+                            prefill_chunk_size=64, backend="torch")
+    gen = torch.Generator().manual_seed(1)
+
+    def fresh(batch=1):
+        return TieredKVCache(cfg, num_layers=1, num_kv_heads=2, head_dim=16, batch_size=batch,
+                             dtype=torch.float32, device="cpu")
+
+    cache = fresh()
+    k, v = torch.randn(2, 1, 2, 16, 16, generator=gen)
+    cache.update(0, k, v)
+    cache.update(0, k, v)  # a second chunk, no attention between: the first is fitted now
+    imp = cache.importance
+    assert imp._sk_set[0] and not imp._unfit[0]
+    assert bool(imp.codes[0, :8].any())  # both chunks' pages are coded
+    for op in ("free", "reorder"):
+        cache = fresh(batch=2)
+        cache.update(0, *torch.randn(2, 2, 2, 16, 16, generator=gen))
+        assert cache.importance._unfit[0]
+        cache.free(1) if op == "free" else cache.reorder([1, 0])
+        assert cache.importance._sk_set[0] and not cache.importance._unfit[0]
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.pop("layer0.sketch_hi"), "do not match"),  # half a layer's fit
+    (lambda t: t["layer1.sketch_basis"].__setitem__((0, 0, 0), float("nan")), "non-finite"),
+    (lambda t: t.__setitem__("layer0.sketch_lo", t["layer0.sketch_lo"][:, :4].clone()),
+     "sketch_lo"),
+])
+def test_a_bad_saved_sketch_fit_is_refused(tmp_path, edit, match):
+    """The saved fit is validated with the rest of the file: a file with part of a layer's fit,
+    a non-finite basis or a wrong shape is refused and the cache keeps what it held."""
+    from tierattn.cache import TieredKVCache
+    from tierattn.config import TierConfig
+    from tierattn.errors import KVFileError
+    from tierattn.kvfile import read_kv_file, read_kv_header, write_kv_file
+
+    cfg = TierConfig.preset("topk", page_size=4, hot_budget=0.25, max_context=64,
+                            prefill_chunk_size=32, backend="torch")
+    gen = torch.Generator().manual_seed(2)
+    caches = [TieredKVCache(cfg, num_layers=2, num_kv_heads=2, head_dim=16, batch_size=1,
+                            dtype=torch.float32, device="cpu") for _ in range(2)]
+    for cache in caches:
+        k, v = torch.randn(2, 1, 2, 24, 16, generator=gen)
+        q = torch.randn(1, 4, 24, 16, generator=gen)
+        for layer in range(2):
+            cache.update(layer, k, v)
+            cache.attend(layer, q)
+    src, dst = caches
+    path = src.save(tmp_path)
+    header = read_kv_header(path, max_file_bytes=1 << 30)
+    tensors = read_kv_file(path, lambda h: None, max_file_bytes=1 << 30)
+    assert {"layer0.sketch_basis", "layer0.sketch_lo", "layer0.sketch_hi"} <= set(tensors)
+    edit(tensors)
+    meta = {k: v for k, v in header.meta.items() if k not in ("checksum", "format_version")}
+    (tmp_path / "bad").mkdir()
+    bad = write_kv_file(tmp_path / "bad", "bad", tensors, meta)
+    before = (dst.importance.basis.clone(), dst.importance.codes.clone(), dst.length(0))
+    with pytest.raises(KVFileError, match=match):
+        dst.load(bad)
+    assert torch.equal(dst.importance.basis, before[0])
+    assert torch.equal(dst.importance.codes, before[1]) and dst.length(0) == before[2]

@@ -168,7 +168,6 @@ class Attention:
         """A prompt chunk: causal attention over the hot pages, every cold page staged and
         attended, one merge; the chunk's page mass (and SnapKV's) under the merged LSE."""
         ks, tel, st = self.kernels, self.telemetry.layers[layer], self.pages.layers[layer]
-        self.importance.fit_sketch(layer, qd)  # a projected key sketch reads the first queries
         b, hq, t, d = qd.shape
         qf = qd.permute(0, 2, 1, 3).reshape(b * t, hq, d)
         qo = torch.arange(b + 1, dtype=torch.int32, device=self.device) * t
@@ -212,6 +211,9 @@ class Attention:
                         layer, tabs, buffer, lambda staging, table: imp.add_prefill(
                             layer, table, staging, False, mass=want_mass, **kw)):
                     pass
+        # a projected key sketch is fitted on the chunk's queries once its attention has run
+        # (only decode steps read the codes; a failed prefill leaves the fit to the next chunk)
+        imp.fit_sketch(layer, qd)
         return out, lse
 
     def finish(self, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None,

@@ -406,6 +406,7 @@ class TieredKVCache:
     def free(self, sequence: int) -> None:
         """Release every page of ``sequence``; it attends nothing until :meth:`reset`."""
         sequence = validate.check_sequence(self, "sequence", sequence)
+        self.importance.fit_sketch_all()  # before any row changes: no pending key goes stale
         self.prefetcher.cancel_all()
         self.mover.free(sequence)
         self.importance.clear_sequence(sequence)
@@ -418,6 +419,7 @@ class TieredKVCache:
         not chosen is freed. Raises :class:`KVCapacityError`, changing nothing, when the
         copies do not fit."""
         index = validate.check_reorder(self, index)
+        self.importance.fit_sketch_all()  # before any row moves: no pending key goes stale
         self.prefetcher.reset()  # their copies may read slots released below
         if self.graphs is not None:
             self.graphs.reset()

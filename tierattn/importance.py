@@ -135,7 +135,9 @@ class Importance:
             self.kmin = torch.zeros(n, b * mp, num_kv_heads, head_dim, dtype=dtype, device=dev)
             self.kmax = torch.zeros_like(self.kmin)
         self.key_bits = key_bits
-        self.basis = None  # [layers, H_kv, D, rank]: the sketch's projection (key_rank)
+        # [layers, H_kv, D, rank]: the sketch's projection (key_rank), kept in the KV dtype like
+        # the range; keys and queries go through the same rounded basis
+        self.basis = None
         if key_bits is not None:
             rank = head_dim if key_rank is None or key_rank >= head_dim else key_rank
             if rank < head_dim:
@@ -197,7 +199,6 @@ class Importance:
         self._host = [None] * self.pages.num_layers
 
     def clear_sequence(self, sequence: int) -> None:
-        self.fit_sketch_all()
         mp = self.pages.max_pages
         rows = slice(sequence * mp, (sequence + 1) * mp)
         for t in (self.mass, self.snap, self._prev):
@@ -300,6 +301,8 @@ class Importance:
         if self.codes is not None and slots.numel():  # rare (a page filled): no host read
             keys = pool[slots.to(pool.device).long(), 0]  # [n, P, H_kv, D]
             lens = lens.to(keys.device)
+            if not self._sk_set[layer] and self._unfit[layer]:
+                self.fit_sketch(layer, None)  # an earlier chunk's queries never came
             if not self._sk_set[layer]:
                 self._unfit[layer].append((keys, lens, rows))
                 if not (queries_follow and self.basis is not None):
@@ -326,10 +329,42 @@ class Importance:
         self._write_codes(layer, keys, rows)
 
     def fit_sketch_all(self) -> None:
-        """Fit every layer whose first keys still wait for queries on the keys alone (before
-        their rows move or are cleared)."""
+        """Fit every layer whose first keys still wait for queries on the keys alone (the
+        cache calls it before rows move or are freed, so no pending row is stale)."""
         for layer in range(self.pages.num_layers):
             self.fit_sketch(layer, None)
+
+    def sketch_fit_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of one layer's fitted key sketch (its range, and its basis when projected)
+        as a snapshot stores them; empty without a sketch."""
+        if self.codes is None:
+            return {}
+        shapes = {"sketch_lo": tuple(self.sk_lo.shape[1:]),
+                  "sketch_hi": tuple(self.sk_hi.shape[1:])}
+        if self.basis is not None:
+            shapes["sketch_basis"] = tuple(self.basis.shape[1:])
+        return shapes
+
+    def sketch_fit(self, layer: int) -> dict[str, torch.Tensor]:
+        """``layer``'s fitted key sketch for a snapshot (empty until fitted): a restored cache
+        codes its pages as the saved one did."""
+        if self.codes is None or not self._sk_set[layer]:
+            return {}
+        fit = {"sketch_lo": self.sk_lo[layer], "sketch_hi": self.sk_hi[layer]}
+        if self.basis is not None:
+            fit["sketch_basis"] = self.basis[layer]
+        return fit
+
+    def restore_sketch_fit(self, layer: int, fit: dict[str, torch.Tensor]) -> None:
+        """Take ``layer``'s fitted key sketch from a snapshot (validated there); without one the
+        restored pages fit it on their keys alone."""
+        if not fit:
+            return
+        self.sk_lo[layer].copy_(fit["sketch_lo"])
+        self.sk_hi[layer].copy_(fit["sketch_hi"])
+        if self.basis is not None:
+            self.basis[layer].copy_(fit["sketch_basis"])
+        self._sk_set[layer], self._unfit[layer] = True, []
 
     def _write_codes(self, layer: int, keys: torch.Tensor, rows: torch.Tensor) -> None:
         """Codes of ``keys [n, P, H_kv, D]`` into metadata rows ``rows``."""
@@ -415,7 +450,6 @@ class Importance:
 
     def reorder(self, index: torch.Tensor) -> None:
         """Sequence ``i`` takes old sequence ``index[i]``'s importance and metadata."""
-        self.fit_sketch_all()
         b, mp = self.pages.batch_size, self.pages.max_pages
         src = (index[:, None] * mp + torch.arange(mp)).flatten().to(self.mass.device)
         for t in (self.mass, self.snap, self._prev):

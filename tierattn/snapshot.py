@@ -1,7 +1,8 @@
 """Snapshot: save a whole tiered cache to one safetensors file and load it back.
 
 The file holds every live page (read from whichever tier it lives in), the page tables, the
-importance and the lengths, written atomically by :mod:`tierattn.kvfile` (temp file, fsync,
+importance, the lengths and each layer's fitted key sketch (its range and projection, when the
+cache keeps one: the restored pages are coded as the saved ones were), written atomically by :mod:`tierattn.kvfile` (temp file, fsync,
 rename; safetensors only). :func:`load` validates the whole file -- format, fingerprint, geometry,
 dtypes and shapes from this cache (never from the file), checksum, and the consistency of its
 tables (lengths vs live pages, tier indices, flags, padding, importance) -- and checks that every
@@ -51,6 +52,8 @@ def save(cache, directory: str | Path) -> Path:
         tensors[f"layer{layer}.evicted"] = st.evicted.to(torch.uint8)
         tensors[f"layer{layer}.mass"] = cache.importance.of(layer).cpu()
         tensors[f"layer{layer}.length"] = torch.tensor([st.length], dtype=torch.int64)
+        tensors.update({f"layer{layer}.{name}": t.cpu()
+                        for name, t in cache.importance.sketch_fit(layer).items()})
     key = hashlib.sha256(f"{cache.fingerprint}:{time.time_ns()}".encode()).hexdigest()
     return write_kv_file(directory, key, tensors, _meta(cache))
 
@@ -70,10 +73,18 @@ def load(cache, path: str | Path) -> None:
                                   f"this cache expects {want!r}.")
         want_names = {"alive", "pad"} | {f"layer{i}.{n}" for i in range(n_layers)
                                          for n in ("pages", "tier", "evicted", "mass", "length")}
-        if set(header.tensors) != want_names:
+        # a layer's fitted key sketch (range, and basis when projected): all of it or none
+        shapes = cache.importance.sketch_fit_shapes()
+        fit = {f"layer{i}.{n}": (cache.dtype, s) for i in range(n_layers)
+               for n, s in shapes.items()}
+        extra = set(header.tensors) - want_names
+        partial = any(0 < len(extra & {f"layer{i}.{n}" for n in shapes}) < len(shapes)
+                      for i in range(n_layers))
+        if not want_names <= set(header.tensors) or not extra <= set(fit) or partial:
             raise KVFileError(f"{header.path}: tensors {sorted(header.tensors)} do not match "
                               "a saved cache of this geometry.")
         fixed = {"alive": (torch.uint8, (b,)), "pad": (torch.int64, (b,))}
+        fixed.update({name: fit[name] for name in extra})
         for i in range(n_layers):
             fixed.update({f"layer{i}.tier": (torch.int32, (b, mp)),
                           f"layer{i}.evicted": (torch.uint8, (b, mp)),
@@ -141,6 +152,9 @@ def load(cache, path: str | Path) -> None:
             st.tier[live[sel, 0], live[sel, 1]] = ti
             st.slot[live[sel, 0], live[sel, 1]] = torch.tensor(slots, dtype=torch.int32)
         st.edited()
+        cache.importance.restore_sketch_fit(layer, {
+            name: data[f"layer{layer}.{name}"] for name in cache.importance.sketch_fit_shapes()
+            if f"layer{layer}.{name}" in data})
         _refresh_metadata(cache, layer)
 
 
@@ -177,6 +191,9 @@ def _layer_plan(cache, path, data, i: int) -> tuple[torch.Tensor, torch.Tensor, 
                   f"{data[f'layer{i}.pages'].shape[0]} stored")
     if not torch.isfinite(data[f"layer{i}.mass"]).all():
         raise bad("a non-finite importance")
+    for name in cache.importance.sketch_fit_shapes():
+        if f"layer{i}.{name}" in data and not torch.isfinite(data[f"layer{i}.{name}"]).all():
+            raise bad(f"a non-finite key sketch {name}")
     return tier32.to(torch.int8), live.nonzero(), length
 
 
