@@ -47,7 +47,8 @@ from tqdm import tqdm
 from tierattn.config import TierConfig
 from tierattn.eval.methods import RECALL, key_tier_fraction
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
-from tierattn.importance import Importance, key_basis, sketch_range
+from tierattn.importance import (Importance, key_basis, project_keys, project_queries,
+                                 sketch_range)
 from tierattn.kernels import PageTable, quantize_keys, quest_score, sketch_score
 from tierattn.policy import rank_pages
 
@@ -184,20 +185,25 @@ def _layer_missed(q: torch.Tensor, k: torch.Tensor, spec: KeyTierSpec,
     prompt = t_len - spec.continuation  # the runtime fits the sketch on the prompt's keys
     first, first_len = k[:, :prompt].permute(1, 0, 2)[None], torch.tensor([prompt], device=dev)
     first_q = q[:, :prompt].view(hkv, g, prompt, d).permute(2, 0, 1, 3)  # [N, H_kv, G, D]
+    channels: dict[int, tuple] = {}  # rank -> the queries, pages and range in its channels
+
+    def in_channels(r: int) -> tuple:
+        if r not in channels:
+            sq, spages, sfirst = qs, pages, first
+            if r < d:  # the runtime's projection (the directions carrying the logits)
+                basis = key_basis(first, first_len, r, first_q)  # [H_kv, D, r]
+                sq, spages = project_queries(qs, basis), project_keys(pages, basis)
+                sfirst = project_keys(first, basis)
+            # the runtime's range: the prompt's keys, widened by its margin
+            lo_hi = sketch_range(sfirst, first_len, Importance.SKETCH_MARGIN)
+            channels[r] = (sq, spages, *lo_hi)
+        return channels[r]
+
     for sel in selectors:
         if sel.startswith("sketch"):
             bits, rank, reduce = _sketch(sel)
-            cfg = TierConfig.preset("topk", key_bits=bits, key_rank=rank)
-            r = cfg.key_channels(d)
-            sq, spages, sfirst = qs, pages, first
-            if r < d:  # the runtime's projection: principal directions of the prompt's keys
-                basis = key_basis(first, first_len, r, first_q)  # [H_kv, D, r]
-                sq = torch.einsum("mkgd,kdr->mkgr", qs.view(-1, hkv, g, d), basis).reshape(
-                    qs.shape[0], hq, r)
-                spages = torch.einsum("npkd,kdr->npkr", pages, basis)
-                sfirst = torch.einsum("npkd,kdr->npkr", first, basis)
-            # the runtime's range: the prompt's keys, widened by its margin
-            lo, hi = sketch_range(sfirst, first_len, Importance.SKETCH_MARGIN)
+            r = TierConfig.preset("topk", key_bits=bits, key_rank=rank).key_channels(d)
+            sq, spages, lo, hi = in_channels(r)
             n = pages.shape[0]
             rows_lo, rows_hi = lo.expand(n, -1, -1), hi.expand(n, -1, -1)
             codes = quantize_keys(spages, rows_lo, rows_hi, bits=bits)

@@ -42,8 +42,9 @@ where every channel at 4 bits (12.5%) scores - / 0.970 / 0.990 / 0.975 at a 20% 
 0.985 / 0.995 / 0.990 projected at that recall): the pages the smaller tier gives back to the
 hot set are worth more than the channels it drops. On SmolLM2 (``tierattn eval keytier``, 2K
 context, 8-token pages, 10% recalled) it misses 1.05x the oracle's attention mass, against
-1.03x for every channel at 4 bits and 1.23x at 2 bits (6.25%). Below 4.7% of a prompt's room
-(5% HBM) the tier narrows to 1/4 of the head dim (3.1%; 1.08x the oracle there).
+1.03x for every channel at 4 bits and 1.23x at 2 bits (6.25%). Where the 4.7% tier leaves the
+must-hot pages no room (below ~7% HBM on the reasoner's prompts) it narrows to 1/4 of the head
+dim (3.1%; 1.08x the oracle there).
 
 Recall follows the budget (``recall_scope="cold"``): ``RECALL`` of the tokens outside the hot
 set, so ``topk`` moves about ``RECALL x (1 - hbm + key tier) / (1 - hbm)`` of offload's bytes at

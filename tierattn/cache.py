@@ -153,9 +153,9 @@ class TieredKVCache:
         self.mover = Mover(self.tiers, self.pages, self.engine, self.telemetry, self.device)
         self.policies = build_policies(config, self.importance, self.pages, self.mover)
         if not self.policies.recall.exact:  # the tables carry the recall candidates
-            # recall_scope="sequence" bounds every scope's recall (the tables' capacity)
-            self.pages.recall_pages = config.replace(recall_scope="sequence").recall_pages(
-                self.max_pages, config.max_context)
+            # a share of the whole sequence bounds every recall_scope's (the tables' capacity)
+            self.pages.recall_pages = config.pages(config.recall_budget, self.max_pages,
+                                                   config.max_context)
         self.prefetcher = Prefetcher(num_layers=num_layers, staging_pages=self.staging_pages,
                                      page_shape=self.page_shape, dtype=dtype, device=self.device,
                                      pages=self.pages, mover=self.mover, engine=self.engine,

@@ -164,8 +164,9 @@ class TierConfig:
         key_bits: bits per key channel of the key sketch (2, 4 or 8).
         key_rank: channels of the key sketch: ``1.0`` (default) every channel of the key;
             fewer -- a fraction (float) of the head dim or a count (int) -- projects each key
-            onto the principal directions of the prompt's keys, per layer and KV head, before
-            quantizing (a key tier of ``key_bits * rank / (32 D)`` of the 16-bit KV bytes).
+            onto the directions that carry the first prompt chunk's logits, per layer and KV
+            head (:func:`tierattn.importance.key_basis`), before quantizing (a key tier of
+            ``key_bits * rank / (32 D)`` of the 16-bit KV bytes).
         sketch_reduce: what the sketch ranks a page by: ``"lse"`` (default: its estimated
             attention mass per KV head, the log of its exp-summed logits over the keys and the
             GQA group's query heads, taken as a share of the candidates' mass and summed over

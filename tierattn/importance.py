@@ -8,7 +8,8 @@ the step's partial states and adds the mass under the merged LSE; nothing is rea
 ``snap`` holds SnapKV's observation-window mass of the last prefill chunk. Where a policy needs
 them, the key range of *every* page (Quest metadata: element-wise ``kmin``/``kmax`` of its keys,
 per KV head) and its key sketch (every key at a few bits per channel, in one range per layer,
-KV head and channel: :mod:`tierattn.kernels.sketch`) stay on the device, so cold pages are
+KV head and channel: :mod:`tierattn.kernels.sketch`; with ``key_rank`` < 1 the keys projected
+first, :func:`key_basis`) stay on the device, so cold pages are
 scored without moving them; both are written when a page is filled (or a prompt chunk lands)
 and count in HBM (:func:`tierattn.tiers.plan_memory`).
 
@@ -32,7 +33,8 @@ from tierattn.pagemap import DeviceTable, PageMap
 from tierattn.telemetry import Telemetry
 from tierattn.transfer import TransferEngine
 
-__all__ = ["HostImportance", "Importance", "key_basis", "sketch_range"]
+__all__ = ["HostImportance", "Importance", "key_basis", "project_keys", "project_queries",
+           "sketch_range"]
 
 
 @dataclass
@@ -99,6 +101,20 @@ def key_basis(keys: torch.Tensor, lens: torch.Tensor, rank: int,
         ck = root @ ck @ root
     _, vecs = torch.linalg.eigh(ck)  # ascending eigenvalues
     return vecs.flip(-1)[..., :rank].contiguous()
+
+
+def project_keys(keys: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Keys ``[n, P, H_kv, D]`` in a key sketch's channels: ``[n, P, H_kv, rank]`` fp32, through
+    ``basis [H_kv, D, rank]`` (:func:`key_basis`)."""
+    return torch.einsum("npkd,kdr->npkr", keys.float(), basis.float())
+
+
+def project_queries(q: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Queries ``[m, H_q, D]`` in a key sketch's channels, ``[m, H_q, rank]`` in their dtype:
+    query head ``h`` through its KV head ``h // G``'s basis ``[H_kv, D, rank]`` (one op)."""
+    m, hq, d = q.shape
+    qg = q.view(m, basis.shape[0], hq // basis.shape[0], d)
+    return torch.einsum("bkgd,kdr->bkgr", qg, basis.to(q.dtype)).reshape(m, hq, -1)
 
 
 class Importance:
@@ -308,7 +324,7 @@ class Importance:
                 if not (queries_follow and self.basis is not None):
                     self.fit_sketch(layer, None)
                 return
-            self._write_codes(layer, keys, rows)
+            self._write_codes(layer, self._project_keys(layer, keys), rows)
 
     def fit_sketch(self, layer: int, queries: torch.Tensor | None) -> None:
         """Fit ``layer``'s sketch (its projection and range) on the first keys it stored, and
@@ -323,8 +339,8 @@ class Importance:
                 b, hq, t, d = queries.shape
                 q = queries.permute(0, 2, 1, 3).reshape(b * t, self.num_kv_heads, -1, d)
             self.basis[layer] = key_basis(keys, lens, self.basis.shape[-1], q)
-        self.sk_lo[layer], self.sk_hi[layer] = sketch_range(
-            self._project_keys(layer, keys), lens, self.SKETCH_MARGIN)
+        keys = self._project_keys(layer, keys)  # once, for the range and the codes
+        self.sk_lo[layer], self.sk_hi[layer] = sketch_range(keys, lens, self.SKETCH_MARGIN)
         self._sk_set[layer], self._unfit[layer] = True, []
         self._write_codes(layer, keys, rows)
 
@@ -367,27 +383,18 @@ class Importance:
         self._sk_set[layer], self._unfit[layer] = True, []
 
     def _write_codes(self, layer: int, keys: torch.Tensor, rows: torch.Tensor) -> None:
-        """Codes of ``keys [n, P, H_kv, D]`` into metadata rows ``rows``."""
-        keys = self._project_keys(layer, keys)
+        """Codes of ``keys [n, P, H_kv, rank]`` (in the sketch's channels) into ``rows``."""
         n = keys.shape[0]
         lo, hi = self.sk_lo[layer].expand(n, -1, -1), self.sk_hi[layer].expand(n, -1, -1)
         self.codes[layer, rows.long()] = quantize_keys(keys, lo, hi, bits=self.key_bits)
 
     def _project_keys(self, layer: int, keys: torch.Tensor) -> torch.Tensor:
-        """``keys [n, P, H_kv, D]`` in the sketch's channels: ``[n, P, H_kv, rank]``."""
-        if self.basis is None:
-            return keys
-        return torch.einsum("npkd,kdr->npkr", keys.float(), self.basis[layer].float())
+        """``keys [n, P, H_kv, D]`` in the sketch's channels (themselves without a basis)."""
+        return keys if self.basis is None else project_keys(keys, self.basis[layer])
 
     def _project_query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """The decode query ``q [B, H_q, D]`` in the sketch's channels, ``[B, H_q, rank]``
-        (query head ``h`` through its KV head ``h // G``'s basis; one op, on the device)."""
-        if self.basis is None:
-            return q
-        b, hq, d = q.shape
-        basis = self.basis[layer]  # [H_kv, D, r]
-        qg = q.view(b, basis.shape[0], hq // basis.shape[0], d)
-        return torch.einsum("bkgd,kdr->bkgr", qg, basis.to(q.dtype)).reshape(b, hq, -1)
+        """The decode query ``q [B, H_q, D]`` in the sketch's channels (one op on the device)."""
+        return q if self.basis is None else project_queries(q, self.basis[layer])
 
     #: how far the sketch's range reaches past the first keys' range, on each side
     SKETCH_MARGIN = 0.1

@@ -294,8 +294,9 @@ class QuestTopK(Recall):
 
 class SketchTopK(QuestTopK):
     """The ``recall_budget`` cold pages the key sketch (every key of every page at ``key_bits``
-    per channel, in HBM) scores highest for the query, the query heads of a GQA group and the
-    page's keys reduced in the kernel (``sketch_reduce``):
+    per channel -- of ``key_rank`` projected channels -- in HBM) scores highest for the query,
+    the query heads of a GQA group and the page's keys reduced in the kernel
+    (``sketch_reduce``):
 
     - ``"lse"``: each page's estimated attention mass per KV head, turned into its share of the
       candidates' mass for that head (a softmax over the pages), summed over the KV heads: the

@@ -2,14 +2,14 @@
 
 The file holds every live page (read from whichever tier it lives in), the page tables, the
 importance, the lengths and each layer's fitted key sketch (its range and projection, when the
-cache keeps one: the restored pages are coded as the saved ones were), written atomically by :mod:`tierattn.kvfile` (temp file, fsync,
-rename; safetensors only). :func:`load` validates the whole file -- format, fingerprint, geometry,
-dtypes and shapes from this cache (never from the file), checksum, and the consistency of its
-tables (lengths vs live pages, tier indices, flags, padding, importance) -- and checks that every
-tier has room, before it changes anything; the file's disk pages are then written into the disk
-tier's next generation (a segment file of its own), and only when all of them landed is the old
-segment dropped (a failure deletes the new one and leaves the old content as it was).
-"""
+cache keeps one: the restored pages are coded as the saved ones were), written atomically by
+:mod:`tierattn.kvfile` (temp file, fsync, rename; safetensors only). :func:`load` validates the
+whole file -- format, fingerprint, geometry, dtypes and shapes from this cache (never from the
+file), checksum, and the consistency of its tables (lengths vs live pages, tier indices, flags,
+padding, importance) -- and checks that every tier has room, before it changes anything; the
+file's disk pages are then written into the disk tier's next generation (a segment file of its
+own), and only when all of them landed is the old segment dropped (a failure deletes the new one
+and leaves the old content as it was)."""
 
 from __future__ import annotations
 
