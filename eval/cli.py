@@ -2,7 +2,8 @@
 
     tierattn demo [--context N] [--out FILE]   kernel demo: evict vs offload at a 25% HBM budget
     tierattn loop [--preset P] [--out FILE]    multi-layer decode loop of the tiered runtime
-    tierattn eval reasoning [--full] [--out-root DIR]  eviction vs offload on the tiny reasoner
+    tierattn eval reasoning [--full] [--task long] [--out-root DIR]  eviction vs offload on the
+                                                    tiny reasoner (long: 1K-token prompts)
     tierattn eval reasoning --model DIR --data F.jsonl  the same on any HF checkpoint + JSONL
     tierattn eval fidelity [--out-root DIR]    SmolLM2-135M: KL, top-1, perplexity, passkey
     tierattn eval keytier [--contexts N]        SmolLM2: attention each recall selector misses
@@ -193,8 +194,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if (args.full or args.teacher_forcing) and (args.what != "reasoning" or args.data):
-        raise UsageError("--full and --teacher-forcing belong to the tiny reasoner's eval "
+    if (args.full or args.teacher_forcing or args.task != "short") and \
+            (args.what != "reasoning" or args.data):
+        raise UsageError("--full, --task and --teacher-forcing belong to the tiny reasoner's eval "
                          "(tierattn eval reasoning without --data); drop them here")
     if args.what == "keytier":
         from tierattn.eval.keytier import KeyTierSpec, run_keytier, summary
@@ -238,7 +240,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
               **({"methods": args.methods} if args.methods else {}),
               **({"seed": args.seed} if args.seed is not None else {}),
               **({"n": args.n} if args.n else {}),
-              **({"teacher_forcing": True} if args.teacher_forcing else {}))
+              **({"teacher_forcing": True} if args.teacher_forcing else {}),
+              task=args.task)
     spec = ReasoningSpec.full_study(**kw) if args.full else ReasoningSpec(**kw)
     print(summary(run_reasoning(spec, model_dir=args.model, out_root=args.out_root)))
     return 0
@@ -480,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="reasoning: the whole study (every method, the HBM x eviction grid, "
                          "the 1-hop and filler controls; ~7.5 min on 2 cores) instead of the "
                          "default run (full, offload, topk, SnapKV, H2O, oracle; main task)")
+    ev.add_argument("--task", choices=("short", "long"), default="short",
+                    help="reasoning: short (24 chains, ~290-token prompts, the shipped reasoner) "
+                         "or long (64 chains and fillers, 1028-1284-token prompts, the long "
+                         "reasoner)")
     ev.add_argument("--teacher-forcing", action="store_true",
                     help="reasoning: also teacher-force every cell on the gold answer for token "
                          "KL and top-1 agreement with the full cache (--full always does)")

@@ -53,7 +53,7 @@ DEFAULT_SECTIONS = ("gate", "calibration", "pipeline", "hostcost", "tp")
 REPO = Path(__file__).resolve().parent.parent
 GATE_TESTS = ("tests/test_decode.py", "tests/test_score.py", "tests/test_sketch.py",
               "tests/test_merge.py", "tests/test_prefill.py", "tests/test_metadata.py",
-              "tests/test_copy.py",
+              "tests/test_copy.py", "tests/test_select.py",
               "tests/test_kernel_edges.py", "tests/test_partial_states.py",
               "tests/test_transfer.py", "tests/test_runtime.py", "tests/test_conservation.py",
               "tests/test_pagemap.py", "tests/test_decode_step.py", "tests/test_graphs.py",

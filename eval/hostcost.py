@@ -179,7 +179,7 @@ def stub_kernels() -> KernelSet:
     """A :class:`KernelSet` whose entry points return outputs of the right shapes at once (they
     compute nothing): what is left of a step is the runtime's own work. Buffers passed as
     ``out=`` are returned as they are; outputs are allocated on the inputs' device."""
-    from tierattn.kernels import DecodeOutput, PrefillOutput
+    from tierattn.kernels import DecodeOutput, PageSelection, PrefillOutput
 
     def sparse_decode(q, kv_pool, page_table, *, out=None, lse=None, return_page_mass=False,
                       page_lse=None, **_):
@@ -207,6 +207,15 @@ def stub_kernels() -> KernelSet:
     def per_entry(table, heads, device):
         return torch.zeros(table.indices.numel(), heads, device=device)
 
+    def select_pages(scores, k, *, cand_slots, out_lse=None, out_first=None, out_dst=None,
+                     **_):
+        b, dev = scores.shape[0], scores.device
+        slots = torch.full((cand_slots.shape[0], b, k), -1, dtype=torch.int32, device=dev)
+        new = lambda out: out if out is not None else \
+            torch.empty(b, k, dtype=torch.int32, device=dev)  # noqa: E731
+        return PageSelection(torch.full((b, k), -1, device=dev), slots, slots, new(out_lse),
+                             out_first, new(out_dst))
+
     return KernelSet(
         sparse_decode=sparse_decode,
         decode_page_mass=lambda page_lse, lse, table, hkv, **_: per_entry(table, hkv,
@@ -220,6 +229,7 @@ def stub_kernels() -> KernelSet:
         quest_score=lambda q, kmin, kmax, table, **_: per_entry(table, kmin.shape[1], q.device),
         sketch_score=lambda q, codes, kmin, kmax, table, **_: per_entry(table, kmin.shape[1],
                                                                         q.device),
+        select_pages=select_pages,
         copy_pages=lambda *a, **k: None)
 
 

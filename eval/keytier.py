@@ -8,8 +8,8 @@ the last ``continuation`` positions, the keys before it are cut into pages of ``
 tokens: the whole pages are the candidates (the page being filled is always hot), and each
 candidate's true share of each KV head's attention is computed exactly. Each selector scores the
 candidates with the runtime's kernels and its head reduction
-(:func:`~tierattn.policy.rank_pages`), and the ``recall`` best are kept -- one selection for
-every KV head, as the runtime fetches whole pages. There is no resident set here: every whole
+(:func:`~tierattn.kernels.select.rank_pages`), and the ``recall`` best are kept -- one selection
+for every KV head, as the runtime fetches whole pages. There is no resident set here: every whole
 page is a candidate, which isolates the ranking from the demotion policy.
 
 =================  =========================================================================
@@ -47,10 +47,10 @@ from tqdm import tqdm
 from tierattn.config import TierConfig
 from tierattn.eval.methods import RECALL, key_tier_fraction
 from tierattn.eval.report import new_results_dir, results_summary, save_json, write_csv
-from tierattn.importance import (Importance, key_basis, project_keys, project_queries,
-                                 sketch_range)
+from tierattn.importance import Importance, key_basis, project_keys, sketch_range
 from tierattn.kernels import PageTable, quantize_keys, quest_score, sketch_score
-from tierattn.policy import rank_pages
+from tierattn.kernels.sketch import project_queries
+from tierattn.kernels.select import rank_pages
 
 __all__ = ["SELECTORS", "KeyTierSpec", "probe_key_tiers", "run_keytier", "summary"]
 

@@ -3,7 +3,8 @@
 On the shipped tiny reasoner (or any reasoner trained by :mod:`.train_reasoner`) it runs
 
 * **main**: methods at each HBM ratio of ``budgets`` on multi-hop pointer-chasing queries (2-4
-  hops, 24 chains, ~290-token prompts);
+  hops, 24 chains, ~290-token prompts; ``task="long"``: 64 chains with 1-2 filler tokens after
+  each edge, 1028-1284-token prompts, on the long reasoner);
 * **grid**: HBM ratio x eviction ratio (H2O drops ``evict`` of each sequence, ``hbm`` stays hot,
   the rest is offloaded), to test "accuracy depends on the eviction ratio, not the HBM ratio";
 * **controls** at ``control_budget``: 1-hop queries (prefill-time eviction sees the query, so
@@ -20,7 +21,7 @@ moved, residency) and teacher forcing on the gold answer (token KL and top-1 agr
 the full cache on identical inputs). Every method is paired with the full cache on the same
 items (McNemar). Results go to a new folder (never overwritten) as JSON, CSV and PNG plots.
 
-    tierattn eval reasoning [--full] [--n N] [--out-root results]
+    tierattn eval reasoning [--full] [--task long] [--n N] [--out-root results]
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from tierattn.eval.metrics import (first_divergence, kl_summary, mcnemar, token_
 from tierattn.eval.report import (format_table, new_results_dir, results_summary, save_json,
                                   write_csv)
 from tierattn.eval.runner import Decoded, decode
-from tierattn.eval.tasks import EOS, PAD, TaskConfig, Vocab, make_examples
+from tierattn.eval.tasks import EOS, PAD, TaskConfig, Vocab, long_task, make_examples
 
 __all__ = ["DEFAULT_METHODS", "Item", "ReasoningSpec", "SECTIONS", "TABLE_COLUMNS",
            "evaluate_items", "run_reasoning", "verdict"]
@@ -51,6 +52,9 @@ __all__ = ["DEFAULT_METHODS", "Item", "ReasoningSpec", "SECTIONS", "TABLE_COLUMN
 DEFAULT_METHODS = ("full", "offload", "topk", "evict-snapkv", "evict-h2o", "oracle")
 #: every section, in the order they run (the default runs "main" alone)
 SECTIONS = ("main", "grid", "one_hop", "filler")
+#: the task families: "short" (~290-token prompts, the shipped reasoner) and "long" (1028-1284-
+#: token prompts of 64 chains and fillers, the long reasoner; no separate filler control)
+TASKS = ("short", "long")
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class ReasoningSpec:
         seed: item seed (fresh: training and its held-out sets use other seeds).
         backend: kernel backend of the tiered cache.
         batch_size: items decoded together.
+        task: ``"short"`` (24 chains) or ``"long"`` (1K-token prompts; its reasoner by
+            default).
     """
 
     n: int = 400
@@ -93,8 +99,14 @@ class ReasoningSpec:
     seed: int = 2026
     backend: str = "auto"
     batch_size: int = 200
+    task: str = "short"
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}.")
+        if self.task == "long" and "filler" in self.sections:
+            raise ValueError("the long task has no filler control (its prompts have fillers "
+                             "already); drop 'filler' from sections.")
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise ValueError(f"methods: {bad} are not among {METHODS}.")
@@ -113,12 +125,18 @@ class ReasoningSpec:
     def full_study(cls, **kw) -> ReasoningSpec:
         """The whole study: every method of :data:`METHODS`, the HBM x eviction grid and the
         two controls, on 200 items per task (``kw`` overrides any field)."""
-        return cls(**{"n": 200, "methods": METHODS, "sections": SECTIONS,
+        sections = SECTIONS if kw.get("task", "short") == "short" else \
+            tuple(x for x in SECTIONS if x != "filler")
+        return cls(**{"n": 200, "methods": METHODS, "sections": sections,
                       "teacher_forcing": True, **kw})
 
 
-def tasks(vocab: Vocab) -> dict[str, TaskConfig]:
-    """The eval's tasks; all have 24 chains' worth of ~290-token prompts."""
+def tasks(vocab: Vocab, task: str = "short") -> dict[str, TaskConfig]:
+    """The eval's tasks: ``short``, 24 chains' worth of ~290-token prompts; ``long``
+    (:func:`~tierattn.eval.tasks.long_task`), 1028-1284-token prompts, no filler variant (its
+    prompts have fillers already)."""
+    if task == "long":
+        return {"main": long_task(vocab, hops=(2, 4)), "one_hop": long_task(vocab, hops=1)}
     return {
         "main": TaskConfig(hops=(2, 4), chains=24, distractor_hops=4, vocab=vocab),
         "one_hop": TaskConfig(hops=1, chains=24, distractor_hops=4, vocab=vocab),
@@ -365,15 +383,17 @@ def run_reasoning(spec: ReasoningSpec | None = None, *, model_dir: str | Path | 
         ``{"spec", "model", "cells": [...], "out": path or None, ...}``; every cell row has the
         fields of :func:`evaluate_items` plus ``section``.
     """
-    from tierattn.eval.train_reasoner import SHIPPED, load_reasoner
+    from tierattn.eval.train_reasoner import SHIPPED, SHIPPED_LONG, load_reasoner
 
     spec = spec or ReasoningSpec()
+    if model_dir is None:
+        model_dir = SHIPPED_LONG if spec.task == "long" else SHIPPED
     model, vocab = load_reasoner(model_dir)
     started = time.time()
     # the tasks the sections use ("grid" runs on the main task's items); a task's seed does
     # not depend on which others run
-    seeds = {name: spec.seed + i for i, name in enumerate(tasks(vocab))}
-    task_cfgs = {name: cfg for name, cfg in tasks(vocab).items()
+    seeds = {name: spec.seed + i for i, name in enumerate(tasks(vocab, spec.task))}
+    task_cfgs = {name: cfg for name, cfg in tasks(vocab, spec.task).items()
                  if name in spec.sections or (name == "main" and "grid" in spec.sections)}
     examples = {name: make_examples(cfg, spec.n, seed=seeds[name])
                 for name, cfg in task_cfgs.items()}
@@ -395,7 +415,7 @@ def run_reasoning(spec: ReasoningSpec | None = None, *, model_dir: str | Path | 
                               batch_size=spec.batch_size, desc=section, reference=refs[task],
                               teacher_forcing=spec.teacher_forcing)
         cells += [{"section": section, "task": task, **r} for r in rows]
-    folder = Path(model_dir) if model_dir is not None else SHIPPED
+    folder = Path(model_dir)
     result = {
         "spec": asdict(spec),
         "model": {"folder": str(folder), "name": folder.name,

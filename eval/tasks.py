@@ -16,7 +16,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-__all__ = ["Example", "TaskConfig", "Vocab", "make_example", "make_examples"]
+__all__ = ["Example", "LONG_VOCAB", "TaskConfig", "Vocab", "long_task", "make_example",
+           "make_examples"]
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", ";", "?", ">")
 PAD, BOS, EOS, SEP, QUERY, ANSWER = range(len(SPECIALS))
@@ -107,6 +108,19 @@ class TaskConfig:
     @property
     def hop_range(self) -> tuple[int, int]:
         return (self.hops, self.hops) if isinstance(self.hops, int) else tuple(self.hops)
+
+
+#: the long task's vocabulary (the long reasoner's): 512 node tokens
+LONG_VOCAB = Vocab(num_nodes=512)
+
+
+def long_task(vocab: Vocab = LONG_VOCAB, *, hops: int | tuple[int, int] = (1, 4),
+              chains: int = 64, filler: tuple[int, int] = (1, 2)) -> TaskConfig:
+    """The long task: ``hops`` among ``chains`` chains of 4 hops with ``filler`` tokens after
+    every edge -- by default 64 chains (256 edges) and 1-2 fillers, prompts of 1028-1284 tokens
+    (1156 on average, a third filler) where 10% of the prompt is ~14 pages of 8 and the answer
+    needs 1-4 edges."""
+    return TaskConfig(hops=hops, chains=chains, distractor_hops=4, filler=filler, vocab=vocab)
 
 
 @dataclass(frozen=True)

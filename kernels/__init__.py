@@ -25,11 +25,13 @@ from tierattn.kernels.prefill import (
     paged_prefill_reference,
 )
 from tierattn.kernels.score import quest_score, quest_score_reference
+from tierattn.kernels.select import PageSelection, select_pages, select_pages_reference
 from tierattn.kernels.sketch import quantize_keys, sketch_score, sketch_score_reference
 
 __all__ = [
     "DecodeOutput",
     "KernelSet",
+    "PageSelection",
     "PageTable",
     "PrefillOutput",
     "copy_pages",
@@ -48,6 +50,8 @@ __all__ = [
     "quantize_keys",
     "quest_score",
     "quest_score_reference",
+    "select_pages",
+    "select_pages_reference",
     "sketch_score",
     "sketch_score_reference",
     "sparse_decode",

@@ -17,6 +17,7 @@ from .metadata import page_metadata
 from .page_copy import copy_pages
 from .prefill import paged_prefill, paged_prefill_mass
 from .score import quest_score
+from .select import select_pages
 from .sketch import sketch_score
 
 __all__ = ["KernelSet"]
@@ -35,6 +36,7 @@ class KernelSet:
     paged_prefill_mass: Callable = paged_prefill_mass
     quest_score: Callable = quest_score
     sketch_score: Callable = sketch_score
+    select_pages: Callable = select_pages
     copy_pages: Callable = copy_pages
 
     @classmethod

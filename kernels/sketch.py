@@ -51,6 +51,7 @@ from tierattn.errors import KernelInputError
 
 from ._common import (
     _softcap,
+    FLOAT_DTYPES,
     Backend,
     check_num_splits,
     check_out,
@@ -65,8 +66,8 @@ from .page_table import PageTable
 from .score import auto_score_splits, check_metadata_inputs
 from .tuning import check_config
 
-__all__ = ["SKETCH_BITS", "SKETCH_REDUCES", "quantize_keys", "sketch_bytes", "sketch_score",
-           "sketch_score_reference", "sketch_width", "unpack_keys"]
+__all__ = ["SKETCH_BITS", "SKETCH_REDUCES", "project_queries", "quantize_keys", "sketch_bytes",
+           "sketch_score", "sketch_score_reference", "sketch_width", "unpack_keys"]
 
 #: code widths the sketch supports
 SKETCH_BITS = (2, 4, 8)
@@ -83,15 +84,17 @@ INTERPRET_MAX_BLOCK_E, INTERPRET_TILE_ELEMENTS = 64, 1 << 17
 @triton.jit
 def _sketch_score_kernel(
     q_ptr, codes_ptr, kmin_ptr, kmax_ptr, indices_ptr, row_start_ptr, row_count_ptr, out_ptr,
-    num_meta, group, page_size, width,
+    basis_ptr,
+    num_meta, group, page_size, width, head_dim_q,
     stride_qb, stride_qh, stride_qd,
+    stride_bh, stride_bd, stride_br,
     stride_c_row, stride_c_head, stride_c_p, stride_c_w,
     stride_kmin_row, stride_kmin_head, stride_kmin_d,
     stride_kmax_row, stride_kmax_head, stride_kmax_d,
     stride_out_e, stride_out_h,
     sm_scale,
     BITS: tl.constexpr, LEVELS: tl.constexpr, PLANES: tl.constexpr, SOFTCAP: tl.constexpr,
-    REDUCE_LSE: tl.constexpr,
+    REDUCE_LSE: tl.constexpr, HAS_BASIS: tl.constexpr, BLOCK_DQ: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
@@ -120,8 +123,20 @@ def _sketch_score_kernel(
     m_w = o_w < width
     o_qh = i_h * group + o_g  # [BLOCK_G] query heads of this group
 
-    p_q = q_ptr + i_b * stride_qb + o_qh[:, None] * stride_qh + o_c[None, :] * stride_qd
-    b_q = tl.load(p_q, mask=m_g[:, None] & m_x[None, :], other=0.0).to(tl.float32)  # [BG, BX]
+    if HAS_BASIS:  # q through this KV head's basis [D_q, rank], a chunk of D_q at a time
+        b_q = tl.zeros([BLOCK_G, PLANES * BLOCK_W], dtype=tl.float32)
+        for d0 in range(0, head_dim_q, BLOCK_DQ):
+            o_d = d0 + tl.arange(0, BLOCK_DQ)
+            m_d = o_d < head_dim_q
+            p_q = q_ptr + i_b * stride_qb + o_qh[:, None] * stride_qh + o_d[None, :] * stride_qd
+            b_qd = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            p_b = basis_ptr + i_h * stride_bh + o_d[:, None].to(tl.int64) * stride_bd \
+                + o_c[None, :] * stride_br
+            b_bd = tl.load(p_b, mask=m_d[:, None] & m_x[None, :], other=0.0).to(tl.float32)
+            b_q += tl.sum(b_qd[:, :, None] * b_bd[None, :, :], axis=1)  # [BG, BX]
+    else:
+        p_q = q_ptr + i_b * stride_qb + o_qh[:, None] * stride_qh + o_c[None, :] * stride_qd
+        b_q = tl.load(p_q, mask=m_g[:, None] & m_x[None, :], other=0.0).to(tl.float32)
     b_q = b_q * sm_scale  # logits in softmax units from here on
 
     for e0 in range(e_begin, e_end, BLOCK_E):
@@ -277,7 +292,18 @@ def _default_config(group: int, page_size: int, head_dim: int, bits: int) -> dic
     return {"block_e": 1 << (block_e.bit_length() - 1), "block_p": block_p}
 
 
-def _check_sketch_inputs(q, codes, kmin, kmax, page_table, bits, reduce):
+def _check_sketch_inputs(q, codes, kmin, kmax, page_table, bits, reduce, basis):
+    if basis is not None:
+        check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+        check_tensor("basis", basis, ndim=3, dtypes=FLOAT_DTYPES, device=q.device)
+        check_tensor("kmin", kmin, ndim=3, dtypes=(q.dtype,), device=q.device)
+        if basis.shape[0] != kmin.shape[1] or basis.shape[1] != q.shape[2] or \
+                basis.shape[2] != kmin.shape[2] or basis.shape[2] > q.shape[2]:
+            raise KernelInputError(
+                f"basis must be [H_kv={kmin.shape[1]}, D={q.shape[2]}, rank={kmin.shape[2]}] "
+                f"(q's head dim to the codes' channels, rank <= D; key_basis makes one), got "
+                f"{list(basis.shape)}.")
+        q = q[..., :basis.shape[2]]  # the projected query's shape, for the checks below
     batch, _, d, num_meta, hkv, group = check_metadata_inputs("sketch_score", q, kmin, kmax,
                                                               page_table)
     if reduce not in SKETCH_REDUCES:
@@ -296,11 +322,21 @@ def _check_sketch_inputs(q, codes, kmin, kmax, page_table, bits, reduce):
     return batch, d, num_meta, hkv, group, codes.shape[2]
 
 
+def project_queries(q: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Queries ``[m, H_q, D]`` in a projected key sketch's channels, ``[m, H_q, rank]`` in their
+    dtype: query head ``h`` through its KV head ``h // G``'s basis ``[H_kv, D, rank]`` (one op;
+    :func:`sketch_score` with ``basis`` does this inside the kernel)."""
+    m, hq, d = q.shape
+    qg = q.view(m, basis.shape[0], hq // basis.shape[0], d)
+    return torch.einsum("bkgd,kdr->bkgr", qg, basis.to(q.dtype)).reshape(m, hq, -1)
+
+
 def _sketch_score_torch(q: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor,
                         kmax: torch.Tensor, page_table: PageTable, *, bits: int, reduce: str,
                         sm_scale: float, softcap: float) -> torch.Tensor:
     """The torch backend: every entry at once (no loop over rows, no host read), in fp32;
-    like the kernel, an out-of-range metadata id reads nothing and scores -inf."""
+    like the kernel, an out-of-range metadata id reads nothing and scores -inf. ``q`` is
+    already in the codes' channels."""
     batch, hq, d = q.shape
     num_meta, hkv = kmin.shape[0], kmin.shape[1]
     ids = page_table.indices.long()
@@ -331,6 +367,7 @@ def sketch_score(
     out: torch.Tensor | None = None,
     validate: bool = True,
     config: dict[str, int] | None = None,
+    basis: torch.Tensor | None = None,
     backend: Backend | None = None,
 ) -> torch.Tensor:
     """Sketch estimate of each listed page's best logit or attention mass.
@@ -368,6 +405,10 @@ def sketch_score(
             nothing and score ``-inf``.
         config: launch parameters ``block_e`` (entries per tile), ``block_p`` (keys per tile)
             and ``num_warps``, powers of two; defaults from ``TILE_ELEMENTS``.
+        basis: optional ``[H_kv, D_q, D]`` projection of a low-rank sketch: ``q`` is then
+            ``[B, H_q, D_q]`` and each query head goes through its KV head's basis inside the
+            kernel (fp32), ``basis^T q``, before scoring the ``D`` projected channels of the
+            codes (:func:`tierattn.importance.key_basis`; :func:`project_queries` outside).
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (vectorised, in fp32).
 
     Returns:
@@ -375,8 +416,9 @@ def sketch_score(
         no row are ``-inf``.
     """
     batch, d, num_meta, hkv, group, page_size = _check_sketch_inputs(
-        q, codes, kmin, kmax, page_table, bits, reduce)
-    scale, cap = check_sm_scale(sm_scale, d), check_softcap(softcap)
+        q, codes, kmin, kmax, page_table, bits, reduce, basis)
+    # the default scale is the attention's: of the query's own head dim
+    scale, cap = check_sm_scale(sm_scale, q.shape[2]), check_softcap(softcap)
     splits = check_num_splits(num_splits)
     config = check_config("sketch", config)
     nnz = page_table.indices.numel()
@@ -385,7 +427,8 @@ def sketch_score(
         page_table.validate(num_meta, None, ids="metadata rows of codes/kmin/kmax")
 
     if resolve_backend(backend, q, codes, kmin, kmax) == "torch":
-        out.copy_(_sketch_score_torch(q, codes, kmin, kmax, page_table, bits=bits,
+        qp = q if basis is None else project_queries(q.float(), basis.float())
+        out.copy_(_sketch_score_torch(qp, codes, kmin, kmax, page_table, bits=bits,
                                       reduce=reduce, sm_scale=scale, softcap=cap))
         return out
 
@@ -397,16 +440,18 @@ def sketch_score(
         width = d * bits // 8
         _sketch_score_kernel[(batch, hkv, splits)](
             q, codes, kmin, kmax, page_table.indices, page_table.row_start,
-            page_table.row_count, out,
-            num_meta, group, page_size, width,
+            page_table.row_count, out, basis if basis is not None else q,
+            num_meta, group, page_size, width, q.shape[2],
             q.stride(0), q.stride(1), q.stride(2),
+            *(basis.stride() if basis is not None else (0, 0, 0)),
             codes.stride(0), codes.stride(1), codes.stride(2), codes.stride(3),
             kmin.stride(0), kmin.stride(1), kmin.stride(2),
             kmax.stride(0), kmax.stride(1), kmax.stride(2),
             out.stride(0), out.stride(1),
             scale,
             BITS=bits, LEVELS=(1 << bits) - 1, PLANES=8 // bits, SOFTCAP=cap,
-            REDUCE_LSE=reduce == "lse",
+            REDUCE_LSE=reduce == "lse", HAS_BASIS=basis is not None,
+            BLOCK_DQ=min(32, next_pow2(q.shape[2])),
             BLOCK_E=cfg["block_e"], BLOCK_G=next_pow2(group), BLOCK_P=cfg["block_p"],
             BLOCK_W=next_pow2(width),
             **({"num_warps": cfg["num_warps"]} if "num_warps" in cfg else {}),

@@ -301,6 +301,17 @@ def test_verdict_claims():
     assert ReasoningSpec.full_study().sections == ("main", "grid", "one_hop", "filler")
     with pytest.raises(ValueError, match="sections"):
         ReasoningSpec(sections=("nope",))
+    # the long task: its own tasks (1K+ tokens), no filler control
+    assert ReasoningSpec.full_study(task="long").sections == ("main", "grid", "one_hop")
+    with pytest.raises(ValueError, match="filler"):
+        ReasoningSpec(task="long", sections=("main", "filler"))
+    with pytest.raises(ValueError, match="task"):
+        ReasoningSpec(task="medium")
+    from tierattn.eval.reasoning import tasks
+    from tierattn.eval.tasks import LONG_VOCAB
+    long = tasks(LONG_VOCAB, "long")
+    assert set(long) == {"main", "one_hop"} and long["one_hop"].hop_range == (1, 1)
+    assert min(len(e.prompt) for e in make_examples(long["main"], 50, seed=0)) >= 1024
 
 
 def test_fidelity_merged_cells(tmp_path):

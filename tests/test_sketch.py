@@ -17,6 +17,8 @@ from tierattn.kernels.page_table import PageTable
 from tierattn.kernels.score import quest_score
 from tierattn.kernels.sketch import (
     SKETCH_BITS,
+    SKETCH_REDUCES,
+    project_queries,
     quantize_keys,
     sketch_bytes,
     sketch_score,
@@ -420,6 +422,12 @@ BAD_INPUTS = [
     _bad("config-key", "config", config={"block_n": 16}),
     _bad("config-value", "config", config={"block_p": 3}),
     _bad("backend", "backend", backend="cuda"),
+    _bad("basis-rank", "basis", basis=torch.zeros(2, 64, 32)),
+    _bad("basis-heads", "basis", basis=torch.zeros(3, 64, 64)),
+    _bad("basis-head-dim", "basis", basis=torch.zeros(2, 48, 64)),
+    _bad("basis-dtype", "basis", basis=torch.zeros(2, 64, 64, dtype=torch.int32)),
+    _bad("basis-rank-above-d", "basis", q=torch.zeros(2, 8, 32),
+         basis=torch.zeros(2, 32, 64)),
 ]
 
 
@@ -674,19 +682,45 @@ def _quiet_loud(device, *, sets=32, n=24, p=8, hkv=2, g=2, d=32, r=8):
 
 
 def _projected_scores(keys, q, table, basis, bits=4):
-    """The runtime's projected sketch: keys and queries through ``basis [H_kv, D, r]``, 4-bit
-    codes in one range per head and channel (the keys' own, widened), the kernel's ``lse``."""
+    """The runtime's projected sketch: keys through ``basis [H_kv, D, r]``, 4-bit codes in one
+    range per head and channel (the keys' own, widened), the query projected by the kernel,
+    its ``lse``."""
     n, p, hkv, d = keys.shape
     pk = torch.einsum("npkd,kdr->npkr", keys, basis)
-    g = q.shape[1] // hkv
-    pq = torch.einsum("bkgd,kdr->bkgr", q.view(q.shape[0], hkv, g, d), basis).reshape(
-        q.shape[0], q.shape[1], -1)
     lo, hi = pk.amin(dim=(0, 1)), pk.amax(dim=(0, 1))
     pad = (hi - lo) * Importance.SKETCH_MARGIN
     lo, hi = (lo - pad).expand(n, -1, -1), (hi + pad).expand(n, -1, -1)
     codes = quantize_keys(pk, lo, hi, bits=bits)
-    return sketch_score(pq.contiguous(), codes, lo.contiguous(), hi.contiguous(), table,
-                        bits=bits, reduce="lse", sm_scale=d ** -0.5)
+    return sketch_score(q.contiguous(), codes, lo.contiguous(), hi.contiguous(), table,
+                        bits=bits, reduce="lse", sm_scale=d ** -0.5, basis=basis.contiguous())
+
+
+@pytest.mark.parametrize("hq,hkv,d,r,bits", [(4, 2, 16, 8, 4), (8, 2, 64, 24, 4),
+                                             (3, 1, 32, 8, 2), (8, 8, 128, 48, 8)])
+@pytest.mark.parametrize("reduce", SKETCH_REDUCES)
+def test_sketch_projects_the_query_in_the_kernel(hq, hkv, d, r, bits, reduce, device, seed,
+                                                 figures):
+    """``basis=``: the kernel's own projection of the full query scores like the reference on
+    the query projected outside (the error rule against fp64), and like the kernel fed the
+    projected query; the default scale is the full head dim's."""
+    b, p, num_meta = 3, 8, 12
+    basis = torch.linalg.qr(torch.randn(hkv, d, d))[0][..., :r].contiguous().to(device)
+    _, codes, kmin, kmax = _pages(num_meta, p, hkv, r, torch.float32, device, bits)
+    q = torch.randn(b, hq, d, device=device)
+    table = _table([5, 0, 12], num_meta, "csr", device, pad=2)
+    out = sketch_score(q, codes, kmin, kmax, table, bits=bits, reduce=reduce, basis=basis)
+    qp = project_queries(q.double(), basis.double())
+    ref = sketch_score_reference(qp, codes, kmin.double(), kmax.double(), table, bits=bits,
+                                 reduce=reduce, sm_scale=d ** -0.5)
+    lowp = sketch_score_reference(qp.float(), codes, kmin, kmax, table, bits=bits,
+                                  reduce=reduce, sm_scale=d ** -0.5)
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    c = check_rule(out, ref, lowp, torch.float32)
+    figures.case("sketch", c)
+    assert c.ok, c
+    outside = sketch_score(qp.float().contiguous(), codes, kmin, kmax, table, bits=bits,
+                           reduce=reduce, sm_scale=d ** -0.5)
+    torch.testing.assert_close(out, outside, atol=1e-4, rtol=1e-4)
 
 
 def test_key_basis_is_orthonormal_and_ignores_padding(device):

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from tierattn.eval.tasks import TaskConfig, Vocab
+from tierattn.eval.tasks import LONG_VOCAB, long_task
 from tierattn.eval.train_reasoner import (batch, build_model, evaluate, load_reasoner,
-                                          rehearsal_batch, to_gqa, train)
+                                          rehearsal_batch, save, to_gqa, train, train_long,
+                                          widen)
 
 
 def test_short_training_run_writes_loadable_weights(tmp_path):
@@ -72,3 +74,48 @@ def test_shipped_reasoner_meets_the_target_on_fresh_items():
     for hops in (3, 4):
         cfg = TaskConfig(hops=hops, chains=24, distractor_hops=4, vocab=vocab)
         assert evaluate(model, cfg, 200, seed=424_242 + hops) >= 0.95
+
+
+def test_widen_keeps_the_function_on_the_old_tokens():
+    """More node tokens, the same logits for sequences of the old ones (over the old vocabulary),
+    new rows drawn from the trained nodes' spread; the fillers must stay, the nodes not shrink."""
+    vocab = Vocab()
+    small = build_model(vocab, seed=2, heads=16, kv_heads=8).eval()
+    big = widen(small, vocab, LONG_VOCAB).eval()
+    assert big.config.vocab_size == LONG_VOCAB.size and big.config.max_position_embeddings == 2048
+    assert big.lm_head.weight.data_ptr() == big.model.embed_tokens.weight.data_ptr()
+    ids, _ = batch(TaskConfig(hops=2, chains=4, vocab=vocab), 2, random.Random(0))
+    with torch.no_grad():
+        torch.testing.assert_close(big(input_ids=ids).logits[..., :vocab.size],
+                                   small(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    old = small.model.embed_tokens.weight[vocab.node(0):]
+    new = big.model.embed_tokens.weight[vocab.size:]
+    assert new.shape[0] == LONG_VOCAB.num_nodes - vocab.num_nodes
+    assert 0.5 < float(new.norm(dim=1).mean() / old.norm(dim=1).mean()) < 2.0
+    with pytest.raises(ValueError, match="fillers"):
+        widen(small, vocab, Vocab(num_nodes=64))
+
+
+def test_long_task_prompts_are_over_1k_tokens():
+    cfg = long_task()
+    assert cfg.hop_range == (1, 4)
+    ids, _ = batch(cfg, 64, random.Random(0))
+    lengths = (ids != 0).sum(1)  # prompt and answer, no padding
+    assert int(lengths.min()) >= 1024 + 3
+
+
+def test_short_long_training_run_starts_from_a_reasoner(tmp_path):
+    init = tmp_path / "short"  # an (untrained) short reasoner's folder
+    init.mkdir()
+    save(build_model(Vocab(), heads=16, kv_heads=8), Vocab(), init, {}, 0, final=True)
+    report = train_long(tmp_path / "long", init=init, minutes=0.05, batch_size=2,
+                        eval_every=2, heldout=2, threads=1)
+    assert report["steps"] > 0 and report["init"] == str(init)
+    assert set(report["heldout_exact_chain"]) == {f"hops{h}_long" for h in (1, 2, 3, 4)}
+    model, vocab = load_reasoner(tmp_path / "long")
+    assert vocab == LONG_VOCAB and model.config.vocab_size == LONG_VOCAB.size
+    # a second leg resumes from the first: the same vocabulary, the first leg on record
+    again = train_long(tmp_path / "long2", init=tmp_path / "long", minutes=0.02, batch_size=2,
+                       eval_every=2, heldout=2, threads=1)
+    assert [leg["steps"] for leg in again["legs"]] == [report["steps"]]
+    assert again["stage_reached"] >= report["stage_reached"]

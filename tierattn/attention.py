@@ -127,7 +127,7 @@ class Attention:
             scores = recall.scores(layer, q1, tabs, sm_scale=common["sm_scale"],
                                    softcap=common["softcap"]) if k else None
             cold = self.prefetcher.attend_cold(layer, tabs, buffer, run, scores=scores, k=k,
-                                               recall=True)
+                                               recall=True, reduce=recall.reduce)
         for _ in cold:
             pass
         tel.kernel_launches += n

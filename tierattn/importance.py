@@ -33,8 +33,7 @@ from tierattn.pagemap import DeviceTable, PageMap
 from tierattn.telemetry import Telemetry
 from tierattn.transfer import TransferEngine
 
-__all__ = ["HostImportance", "Importance", "key_basis", "project_keys", "project_queries",
-           "sketch_range"]
+__all__ = ["HostImportance", "Importance", "key_basis", "project_keys", "sketch_range"]
 
 
 @dataclass
@@ -109,14 +108,6 @@ def project_keys(keys: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     return torch.einsum("npkd,kdr->npkr", keys.float(), basis.float())
 
 
-def project_queries(q: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """Queries ``[m, H_q, D]`` in a key sketch's channels, ``[m, H_q, rank]`` in their dtype:
-    query head ``h`` through its KV head ``h // G``'s basis ``[H_kv, D, rank]`` (one op)."""
-    m, hq, d = q.shape
-    qg = q.view(m, basis.shape[0], hq // basis.shape[0], d)
-    return torch.einsum("bkgd,kdr->bkgr", qg, basis.to(q.dtype)).reshape(m, hq, -1)
-
-
 class Importance:
     """Page mass, SnapKV window mass, Quest metadata and host snapshots, per layer.
 
@@ -168,6 +159,12 @@ class Importance:
             # kernel reads, so a decode step converts nothing
             self.sk_lo = torch.zeros(n, num_kv_heads, rank, dtype=dtype, device=dev)
             self.sk_hi = torch.zeros_like(self.sk_lo)
+        # per layer, the scoring kernel's arguments as views made once (every fit writes the
+        # tensors in place), so a decode step builds none: codes, range per row, basis
+        self._sketch_args = [
+            (self.codes[i], self.sk_lo[i].expand(b * mp, -1, -1),
+             self.sk_hi[i].expand(b * mp, -1, -1), None if self.basis is None else self.basis[i])
+            for i in range(n)] if self.codes is not None else None
         self._sk_set = [False] * n
         # a projected sketch is fitted on the first prompt chunk's keys *and* queries: the
         # chunk's pages wait here (keys, lens, rows) until its attention brings the queries
@@ -392,10 +389,6 @@ class Importance:
         """``keys [n, P, H_kv, D]`` in the sketch's channels (themselves without a basis)."""
         return keys if self.basis is None else project_keys(keys, self.basis[layer])
 
-    def _project_query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """The decode query ``q [B, H_q, D]`` in the sketch's channels (one op on the device)."""
-        return q if self.basis is None else project_queries(q, self.basis[layer])
-
     #: how far the sketch's range reaches past the first keys' range, on each side
     SKETCH_MARGIN = 0.1
 
@@ -404,15 +397,14 @@ class Importance:
         """Key-sketch score ``[nnz, H_kv]`` (the page's largest estimated logit, or its
         estimated attention mass with ``reduce="lse"``) of query ``q [B, H_q, D]`` for the
         metadata rows ``table`` lists (on the device)."""
-        self.fit_sketch(layer, None)  # only if no prompt chunk brought queries (host state)
+        if not self._sk_set[layer]:  # no prompt chunk brought queries: fit on the keys
+            self.fit_sketch(layer, None)
         self.telemetry.layers[layer].kernel_launches += 1
-        rows = self.codes.shape[1]
-        return self.kernels.sketch_score(self._project_query(layer, q), self.codes[layer],
-                                         self.sk_lo[layer].expand(rows, -1, -1),
-                                         self.sk_hi[layer].expand(rows, -1, -1),
-                                         table, bits=self.key_bits, reduce=reduce,
-                                         sm_scale=sm_scale, softcap=softcap, validate=False,
-                                         backend=self.backend)
+        codes, lo, hi, basis = self._sketch_args[layer]
+        # a projected sketch's query goes through the basis inside the kernel (no extra launch)
+        return self.kernels.sketch_score(q, codes, lo, hi, table, bits=self.key_bits,
+                                         reduce=reduce, sm_scale=sm_scale, softcap=softcap,
+                                         validate=False, basis=basis, backend=self.backend)
 
     def quest_bound(self, layer: int, q: torch.Tensor, table: PageTable) -> torch.Tensor:
         """Quest bound ``[nnz, H_kv]`` of query ``q [B, H_q, D]`` for the metadata rows

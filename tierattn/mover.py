@@ -156,28 +156,32 @@ class Mover:
 
     def copy_recalled(self, layer: int, src: torch.Tensor, cols: torch.Tensor,
                       dst_pool: torch.Tensor, dst_slots: torch.Tensor, *, after: object = None,
-                      wait: bool = True, pages: int | None = None) -> list:
+                      wait: bool = True, pages: int | None = None,
+                      counted: bool = False, held: list[int] | None = None) -> list:
         """Copy recalled pages into staging rows ``dst_slots [B * k]`` (int32): ``src
         [tiers - 1, B, k]`` holds each page's slot in lower tier ``t + 1`` (-1: not there, or
         not to copy), ``cols [B, k]`` their logical pages. One launch per lower memory tier
         holding pages of the layer; nothing is read back. ``pages``: how many are copied, when
         the host knows it and one tier holds them all; otherwise they are counted on the
-        device. (Disk pages come through the prefetcher's disk stage, not here.)"""
-        held = [t for t in range(1, len(self.tiers))
-                if self.tiers[t].is_memory and self.tiers[t].num_used(layer)]
+        device, here, or already (``counted``: the selection kernel did). ``held``: the
+        :meth:`memory_tiers_held` of the caller, when it has them. (Disk pages come through the
+        prefetcher's disk stage, not here.)"""
+        held = self.memory_tiers_held(layer) if held is None else held
         host_count = pages is not None and len(held) == 1
         tickets = []
         for t in held:
             mine = src[t - 1].view(-1)
-            if not host_count:
+            if not host_count and not counted:
                 self.telemetry.count_recalled(layer, t, mine)
             tickets.append(self.copy_slots(layer, t, mine, dst_pool, dst_slots,
                                            pages=pages if host_count else 0, after=after,
                                            wait=wait))
         return tickets
 
-    def count_hits(self, layer: int, hit: torch.Tensor) -> None:
-        self.telemetry.count_hits(layer, hit)
+    def memory_tiers_held(self, layer: int) -> list[int]:
+        """The lower memory tiers holding pages of ``layer`` (host counts)."""
+        return [t for t in range(1, len(self.tiers))
+                if self.tiers[t].is_memory and self.tiers[t].num_used(layer)]
 
     def on_disk(self, layer: int) -> bool:
         """Whether a disk tier holds pages of ``layer`` (recall then stages them on the host)."""

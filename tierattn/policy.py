@@ -30,7 +30,7 @@ from tierattn.pagemap import HOT, NONE, LayerTables, PageMap
 __all__ = ["H2O", "RKV", "AllCold", "Budgets", "ByMass", "ByQuest", "DemotionRank",
            "Eviction", "Hybrid", "Policies", "QuestTopK", "RandomEviction", "Recall",
            "SketchTopK", "SnapKV", "SnapKVDecode", "StreamingLLM", "DEMOTION_RANKS", "EVICTIONS",
-           "RECALLS", "build_policies", "rank_pages"]
+           "RECALLS", "build_policies"]
 
 
 # --- demotion ranks --------------------------------------------------------------------------
@@ -253,9 +253,11 @@ class RKV(Eviction):
 
 class Recall:
     """Which cold pages a decode query attends: all of them (``exact``), or the ``budget``
-    pages per sequence with the best ``scores``, computed on the device."""
+    pages per sequence that rank best by their per-KV-head ``scores``, reduced over the heads
+    by ``reduce`` (:func:`~tierattn.kernels.select_pages`), on the device."""
 
     exact = False
+    reduce = "max"
 
     def __init__(self, importance: Importance, pages: PageMap, config: TierConfig) -> None:
         self.importance, self.pages, self.config = importance, pages, config
@@ -266,9 +268,9 @@ class Recall:
 
     def scores(self, layer: int, q: torch.Tensor, tabs: LayerTables, *, sm_scale: float,
                softcap: float | None) -> torch.Tensor:
-        """``[B, max_pages]`` score of each recall candidate of ``tabs`` (-inf past a row's
-        candidates) for the decode query ``q [B, H_q, D]`` of an attention with ``sm_scale``
-        and ``softcap``, on the device."""
+        """``[B, max_pages, H_kv]`` score of each recall candidate of ``tabs`` per KV head (-inf
+        past a row's candidates) for the decode query ``q [B, H_q, D]`` of an attention with
+        ``sm_scale`` and ``softcap``, on the device."""
         raise NotImplementedError
 
 
@@ -288,8 +290,7 @@ class QuestTopK(Recall):
 
     def scores(self, layer, q, tabs, *, sm_scale, softcap):
         b, mp = self.pages.batch_size, self.pages.max_pages
-        bound = self.importance.quest_bound(layer, q, tabs.candidates.table)
-        return rank_pages(bound.view(b, mp, -1), "max")
+        return self.importance.quest_bound(layer, q, tabs.candidates.table).view(b, mp, -1)
 
 
 class SketchTopK(QuestTopK):
@@ -304,24 +305,14 @@ class SketchTopK(QuestTopK):
     - ``"max"``: the page's largest logit, max over the KV heads.
     """
 
+    def __init__(self, importance: Importance, pages: PageMap, config: TierConfig) -> None:
+        super().__init__(importance, pages, config)
+        self.reduce = config.sketch_reduce
+
     def scores(self, layer, q, tabs, *, sm_scale, softcap):
         b, mp = self.pages.batch_size, self.pages.max_pages
-        reduce = self.config.sketch_reduce
-        score = self.importance.sketch_score(layer, q, tabs.candidates.table, reduce=reduce,
-                                             sm_scale=sm_scale, softcap=softcap)
-        return rank_pages(score.view(b, mp, -1), reduce)
-
-
-def rank_pages(score: torch.Tensor, reduce: str) -> torch.Tensor:
-    """One score per page, ``[B, n]``, from per-KV-head scores ``[B, n, H_kv]`` (padding -inf),
-    for a selection the KV heads share: ``"max"``, the best head's score; ``"lse"`` (scores are
-    log attention masses), the log of the page's share of each head's mass over the row's
-    pages, summed over the heads. Padding, and a row without candidates, stay -inf."""
-    if reduce == "max":
-        return score.max(-1).values
-    # log sum_h share_h; a row without candidates (all -inf) gives NaN
-    share = torch.log_softmax(score, dim=1).logsumexp(-1)
-    return share.nan_to_num_(nan=float("-inf"), neginf=float("-inf"))
+        return self.importance.sketch_score(layer, q, tabs.candidates.table, reduce=self.reduce,
+                                            sm_scale=sm_scale, softcap=softcap).view(b, mp, -1)
 
 
 # --- the budgets ---------------------------------------------------------------------------------

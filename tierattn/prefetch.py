@@ -64,11 +64,10 @@ class _RecallLayout:
     """A selection of ``k`` pages per sequence staged in a buffer."""
 
     table: DeviceTable
-    first: torch.Tensor  # int32 [B * k]: slot b * k + j (the prefetched half)
-    row_first: torch.Tensor  # int32 [B, 1]: b * k
-    second: torch.Tensor  # int32 [B, k]: B * k + b * k + j (the misses' half)
-    padding: int  # entries of rows with fewer than k candidates (they match each other)
-    iota: torch.Tensor  # int32 [k]: 0..k-1
+    first: torch.Tensor  # int32 [B * k]: slot b * k + j (the prefetched half; the misses of
+    # a prefetched selection go to the second half, B * k + b * k + j)
+    #: [B, k] views of the table's arrays the selection kernel writes (lse, first lanes, rows)
+    outs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
 
 
 @dataclass
@@ -173,10 +172,12 @@ class Prefetcher:
     # --- recall: pages chosen per step on the device -------------------------------------------
 
     def recall(self, layer: int, tabs: LayerTables, scores: torch.Tensor, k: int,
-               buffer: int) -> Iterator[tuple[DeviceTable, torch.Tensor]]:
-        """Stage the ``k`` candidates of each sequence with the highest ``scores [B, max_pages]``
-        (aligned with ``tabs``' candidates; padding scores -inf) and yield their table. Pages the
-        layer-ahead prefetch staged are used in place (hits); only the others are copied."""
+               buffer: int, reduce: str = "max") -> Iterator[tuple[DeviceTable, torch.Tensor]]:
+        """Stage the ``k`` candidates of each sequence that rank highest by their per-KV-head
+        ``scores [B, max_pages, H_kv]`` (aligned with ``tabs``' candidates; padding -inf), ranked
+        by ``reduce``, and yield their table: one launch selects them and writes the table
+        (:func:`~tierattn.kernels.select_pages`). Pages the layer-ahead prefetch staged are used
+        in place (hits); only the others are copied."""
         pre = self._take(layer, buffer)
         if pre is not None:
             self._wait_all(pre.tickets)
@@ -186,46 +187,45 @@ class Prefetcher:
             if pre is not None:
                 tel.wasted_prefetches += pre.pages
             return
-        b = self.pages.batch_size
-        # sorted: a row with fewer than k candidates gets its real ones first (padding is -inf)
-        idx = torch.topk(scores, k, dim=1).indices  # [B, k]
-        torch.gather(tabs.cand_lse, 1, idx, out=rc.table.lse_index.view(b, k))
-        if tabs.cand_first is not None:
-            torch.gather(tabs.cand_first, 1, idx, out=rc.table.first_lane.view(b, k))
-        src = full = tabs.cand_slots.gather(2, idx.expand(tabs.cand_slots.shape[0], b, k))
-        cols = tabs.cand_cols.gather(1, idx)
         sel = pre.selection if pre is not None and pre.selection is not None and \
             pre.selection.version == tabs.cold_version and pre.selection.k == k else None
-        if sel is None:  # everything is fetched now, into the first half
-            pool = self.buffers[buffer]
-            rc.table.table.indices.copy_(rc.first)
-            if pre is not None:
-                tel.wasted_prefetches += pre.pages
-                tel.late_misses += rc.table.total
-        else:  # the prefetched pages are used in place; the misses go to the second half
-            pool = self.buffers[pre.buffer]
-            eq = cols[:, :, None] == sel.cols[:, None, :]  # [B, k, k]
-            hit = eq.any(-1)
-            torch.where(hit, (eq * rc.iota).sum(-1, dtype=torch.int32) + rc.row_first,
-                        rc.second, out=rc.table.table.indices.view(b, k))
-            src = src.masked_fill(hit, -1)
-            self.mover.count_hits(layer, hit)
-            # counted as if nothing hit; stats() moves the hits the device counted across (its
-            # count includes the padding entries, which match each other: taken off here)
-            tel.late_misses += rc.table.total + rc.padding
-            tel.wasted_prefetches += sel.pages + rc.padding
-            tel.prefetch_hits -= rc.padding
-        if rc.table.first_lane is not None and tabs.cand_first is None:
-            rc.table.first_lane.zero_()  # (disk staging's mask below needs the array)
         # a captured step counts on the device: its host totals would be baked in
         host_total = sel is None and not self.mover.direct
-        if self.disk is not None and self.mover.on_disk(layer):
+        on_disk = self.disk is not None and self.mover.on_disk(layer)
+        held = self.mover.memory_tiers_held(layer)
+        host_count = host_total and not on_disk and len(held) == 1
+        table = rc.table
+        out_lse, out_first, out_dst = rc.outs
+        hits, recalled = self.telemetry.device_counters[layer]
+        picked = self.engine.kernels.select_pages(
+            scores, k, reduce=reduce, cand_cols=tabs.cand_cols, cand_lse=tabs.cand_lse,
+            cand_slots=tabs.cand_slots, cand_first=tabs.cand_first,
+            prev_cols=sel.cols if sel is not None else None, out_lse=out_lse,
+            out_first=out_first if tabs.cand_first is not None else None, out_dst=out_dst,
+            hits=hits if sel is not None else None,
+            recalled=None if host_count or on_disk else recalled,
+            validate=False, backend=self.engine.backend)
+        tel.kernel_launches += 1
+        if sel is None:  # everything is fetched now, into the first half
+            pool = self.buffers[buffer]
+            if pre is not None:
+                tel.wasted_prefetches += pre.pages
+                tel.late_misses += table.total
+        else:  # the prefetched pages are used in place; the misses go to the second half
+            pool = self.buffers[pre.buffer]
+            # counted as if nothing hit; stats() moves the hits the device counted across
+            tel.late_misses += table.total
+            tel.wasted_prefetches += sel.pages
+        if table.first_lane is not None and tabs.cand_first is None:
+            table.first_lane.zero_()  # (disk staging's mask below needs the array)
+        src, full, cols = picked.src, picked.slots, picked.cols
+        if on_disk:
             src = self._recall_disk(layer, src, rc, pool, buffer)
             if self.disk_misses == "defer":  # the next step stages its disk pages
                 self.disk.selection_to_host(layer, full, wait=False)
-            host_total = False
         self.mover.copy_recalled(layer, src, cols, pool, rc.table.table.indices,
-                                 after=self.fence, pages=rc.table.total if host_total else None)
+                                 after=self.fence, pages=table.total if host_count else None,
+                                 counted=not on_disk and not host_count, held=held)
         self.selection[layer] = _Selection(cols, full, k, tabs.cold_version, rc.table.total)
         yield rc.table, pool
 
@@ -283,22 +283,22 @@ class Prefetcher:
         i32 = dict(dtype=torch.int32, device=self.device)
         if layout is None:
             first = torch.arange(b * k, **i32)
-            layout = _RecallLayout(
-                DeviceTable(PageTable(indices=first.clone(), row_start=torch.arange(b, **i32) * k,
-                                      row_count=torch.zeros(b, **i32),
-                                      last_page_len=torch.zeros(b, **i32)),
-                            torch.zeros(b * k, **i32),
-                            torch.zeros(b * k, **i32) if key[1] else None,
-                            [0] * b),
-                first, (torch.arange(b, **i32) * k)[:, None], (first + b * k).view(b, k), 0,
-                torch.arange(k, **i32))
+            table = DeviceTable(PageTable(indices=first.clone(),
+                                          row_start=torch.arange(b, **i32) * k,
+                                          row_count=torch.zeros(b, **i32),
+                                          last_page_len=torch.zeros(b, **i32)),
+                                torch.zeros(b * k, **i32),
+                                torch.zeros(b * k, **i32) if key[1] else None, [0] * b)
+            layout = _RecallLayout(table, first, (
+                table.lse_index.view(b, k),
+                table.first_lane.view(b, k) if key[1] else None,
+                table.table.indices.view(b, k)))
             self._recall_layouts = {key: layout}  # one selection size at a time
         if layout.table.counts != counts:
             layout.table.table.row_count.copy_(torch.tensor(counts, **i32))
             layout.table.table.last_page_len.copy_(
                 torch.tensor([self.pages.page_size if c else 0 for c in counts], **i32))
             layout.table.counts[:] = counts
-            layout.padding = sum(k - c for c in counts)
         return layout
 
     # --- the seam ------------------------------------------------------------------------------
@@ -306,11 +306,12 @@ class Prefetcher:
     def attend_cold(self, layer: int, tabs: LayerTables, buffer: int,
                     kernel: Callable[[torch.Tensor, DeviceTable], object], *,
                     recall: bool = False, scores: torch.Tensor | None = None,
-                    k: int = 0) -> Iterator[object]:
+                    k: int = 0, reduce: str = "max") -> Iterator[object]:
         """Partial attention states over ``layer``'s cold pages: all of them, or with
-        ``recall`` the ``k`` best per sequence by ``scores``; ``kernel(pool, table)`` runs on
-        each staged batch (a decode or prefill launch)."""
-        staged = self.recall(layer, tabs, scores, k, buffer) if recall else \
+        ``recall`` the ``k`` best per sequence by ``scores [B, max_pages, H_kv]`` reduced over
+        the heads by ``reduce``; ``kernel(pool, table)`` runs on each staged batch (a decode or
+        prefill launch)."""
+        staged = self.recall(layer, tabs, scores, k, buffer, reduce) if recall else \
             self.stage(layer, tabs, buffer)
         for table, pool in staged:
             part = kernel(pool, table)

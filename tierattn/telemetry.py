@@ -66,7 +66,8 @@ class Telemetry:
 
     What only the device knows during a decode step -- how many recalled pages came from each
     tier, how many of them the layer-ahead prefetch had staged -- is counted on the device
-    (:meth:`count_recalled`, :meth:`count_hits`) and folded in by :meth:`stats` (the one read).
+    (:meth:`count_recalled`, or the recall selection kernel adding to ``recalled`` and
+    ``hits``) and folded in by :meth:`stats` (the one read).
     """
 
     def __init__(self, num_layers: int, *, tier_kinds: tuple[str, ...] = (),
@@ -79,6 +80,10 @@ class Telemetry:
                                     device=device)
         self.hits = torch.zeros(num_layers, dtype=torch.int64, device=device)
         self.disk_missed = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        # per layer, views a decode step's kernels add to (made once; reset zeroes in place):
+        # ([1] hits, [tiers - 1] pages recalled from each lower tier)
+        self.device_counters = [(self.hits[i:i + 1], self.recalled[i, 1:])
+                                for i in range(num_layers)]
 
     def reset(self) -> None:
         self.layers = [LayerCounters() for _ in self.layers]
@@ -93,10 +98,6 @@ class Telemetry:
     def count_recalled(self, layer: int, tier: int, slots) -> None:
         """Add the pages of ``slots`` (-1: none) recalled from ``tier``, on the device."""
         self.recalled[layer, tier:tier + 1].add_((slots >= 0).sum())
-
-    def count_hits(self, layer: int, hit) -> None:
-        """Add recalled pages the prefetch had staged (``hit``: bool), on the device."""
-        self.hits[layer:layer + 1].add_(hit.sum())
 
     def _fold_device(self) -> list[LayerCounters]:
         """The host counters with the device-counted ones folded in (copies; one read)."""
