@@ -485,7 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "default run (full, offload, topk, SnapKV, H2O, oracle; main task)")
     ev.add_argument("--task", choices=("short", "long"), default="short",
                     help="reasoning: short (24 chains, ~290-token prompts, the shipped reasoner) "
-                         "or long (64 chains and fillers, 1028-1284-token prompts, the long "
+                         "or long (64 chains and fillers, 1016-1284-token prompts, the long "
                          "reasoner)")
     ev.add_argument("--teacher-forcing", action="store_true",
                     help="reasoning: also teacher-force every cell on the gold answer for token "

@@ -4,7 +4,7 @@ On the shipped tiny reasoner (or any reasoner trained by :mod:`.train_reasoner`)
 
 * **main**: methods at each HBM ratio of ``budgets`` on multi-hop pointer-chasing queries (2-4
   hops, 24 chains, ~290-token prompts; ``task="long"``: 64 chains with 1-2 filler tokens after
-  each edge, 1028-1284-token prompts, on the long reasoner);
+  each edge, 1016-1284-token prompts, on the long reasoner);
 * **grid**: HBM ratio x eviction ratio (H2O drops ``evict`` of each sequence, ``hbm`` stays hot,
   the rest is offloaded), to test "accuracy depends on the eviction ratio, not the HBM ratio";
 * **controls** at ``control_budget``: 1-hop queries (prefill-time eviction sees the query, so
@@ -52,7 +52,7 @@ __all__ = ["DEFAULT_METHODS", "Item", "ReasoningSpec", "SECTIONS", "TABLE_COLUMN
 DEFAULT_METHODS = ("full", "offload", "topk", "evict-snapkv", "evict-h2o", "oracle")
 #: every section, in the order they run (the default runs "main" alone)
 SECTIONS = ("main", "grid", "one_hop", "filler")
-#: the task families: "short" (~290-token prompts, the shipped reasoner) and "long" (1028-1284-
+#: the task families: "short" (~290-token prompts, the shipped reasoner) and "long" (1016-1284-
 #: token prompts of 64 chains and fillers, the long reasoner; no separate filler control)
 TASKS = ("short", "long")
 
@@ -133,7 +133,7 @@ class ReasoningSpec:
 
 def tasks(vocab: Vocab, task: str = "short") -> dict[str, TaskConfig]:
     """The eval's tasks: ``short``, 24 chains' worth of ~290-token prompts; ``long``
-    (:func:`~tierattn.eval.tasks.long_task`), 1028-1284-token prompts, no filler variant (its
+    (:func:`~tierattn.eval.tasks.long_task`), 1016-1284-token prompts, no filler variant (its
     prompts have fillers already)."""
     if task == "long":
         return {"main": long_task(vocab, hops=(2, 4)), "one_hop": long_task(vocab, hops=1)}
@@ -437,7 +437,8 @@ def run_reasoning(spec: ReasoningSpec | None = None, *, model_dir: str | Path | 
 
 def results_name(spec: ReasoningSpec, model_name: str) -> str:
     """The results folder's name, from the config."""
-    return (f"reasoning-{model_name}-n{spec.n}-ps{spec.page_size}-seed{spec.seed}-"
+    return (f"reasoning-{model_name}-{'long-' if spec.task == 'long' else ''}"
+            f"n{spec.n}-ps{spec.page_size}-seed{spec.seed}-"
             f"{'' if spec.recall == RECALL else f'r{spec.recall:g}-'}"
             f"b{'_'.join(f'{b:g}' for b in spec.budgets)}")
 

@@ -117,9 +117,9 @@ LONG_VOCAB = Vocab(num_nodes=512)
 def long_task(vocab: Vocab = LONG_VOCAB, *, hops: int | tuple[int, int] = (1, 4),
               chains: int = 64, filler: tuple[int, int] = (1, 2)) -> TaskConfig:
     """The long task: ``hops`` among ``chains`` chains of 4 hops with ``filler`` tokens after
-    every edge -- by default 64 chains (256 edges) and 1-2 fillers, prompts of 1028-1284 tokens
-    (1156 on average, a third filler) where 10% of the prompt is ~14 pages of 8 and the answer
-    needs 1-4 edges."""
+    every edge -- by default 64 chains (253-256 edges) and 1-2 fillers, prompts of 1016-1284
+    tokens (~1150 on average, a third filler) where 10% of the prompt is ~14 pages of 8 and the
+    answer needs 1-4 edges."""
     return TaskConfig(hops=hops, chains=chains, distractor_hops=4, filler=filler, vocab=vocab)
 
 

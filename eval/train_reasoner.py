@@ -22,7 +22,7 @@ every answer position under teacher forcing, which equals greedy decoding gettin
 chain right) on fresh seeds.
 
 The **long reasoner** (``--task long``, shipped in ``reasoner_long/``) answers the same queries
-over 1028-1284-token prompts: 64 chains of 4 hops with 1-2 filler tokens after every edge, 512
+over 1016-1284-token prompts: 64 chains of 4 hops with 1-2 filler tokens after every edge, 512
 node tokens (:func:`~tierattn.eval.tasks.long_task`). It starts from the short reasoner
 (:func:`widen`: the node embeddings grow to 512, the new rows drawn from the trained nodes' own
 covariance -- zero-shot 0.34 at 24 chains where per-dimension Gaussian rows give 0.05) and
@@ -305,14 +305,15 @@ def train_long(out: str | Path, *, init: str | Path | None = None, minutes: floa
                heldout: int = 256, threads: int | None = None) -> dict:
     """Fine-tune a trained reasoner (default: the shipped short one) into the long reasoner.
 
-    Every other batch is a rehearsal batch of ``rehearsal_chains`` chains over the whole new
-    vocabulary (one lookup per edge: it is what teaches the new node rows); the task batches
+    Every other batch is a rehearsal batch of ``min(rehearsal_chains, stage's chains)`` chains
+    without fillers over the whole new vocabulary (one lookup per edge: it is what teaches the new
+    node rows); the task batches
     follow :data:`LONG_CURRICULUM`, advancing when held-out exact-chain accuracy passes
     ``threshold``. Each stage reached is checkpointed to ``out``; the shipped weights are the
     best checkpoint on the final stage. ``init`` may be an earlier run of this function (its
     vocabulary is already the long one): training resumes at the stage it reached, and the
-    report lists the earlier legs. ``heldout``: items per hop count of the final report (and
-    per mid-run check, at most 128).
+    report lists the earlier legs. ``heldout``: items per hop count of the final report (the
+    mid-run checks use at most 128 of the stage's mixed hop counts).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -320,19 +321,21 @@ def train_long(out: str | Path, *, init: str | Path | None = None, minutes: floa
         torch.set_num_threads(threads)
     short, vocab = load_reasoner(init)
     model = widen(short, vocab, LONG_VOCAB, seed=seed).train()
-    legs, stage = [], 0
-    for name in ("training.json", "training.partial.json"):  # a long run to resume
-        record = Path(init) / name if init is not None else None
-        if record is not None and record.exists() and vocab == LONG_VOCAB:
-            earlier = json.loads(record.read_text())
-            legs = earlier.get("legs", []) + [{k: earlier.get(k) for k in (
-                "init", "steps", "minutes", "stage_reached", "best_heldout_during_training")}]
-            stage = min(earlier.get("stage_reached", 0), len(LONG_CURRICULUM) - 1)
-            break
+    legs, stage, best = [], 0, -1.0
+    records = [Path(init) / n for n in ("training.json", "training.partial.json")] \
+        if init is not None and vocab == LONG_VOCAB else []
+    records = [r for r in records if r.exists()]
+    if records:  # a long run to resume: its newest record goes with its weights
+        earlier = json.loads(max(records, key=lambda r: r.stat().st_mtime).read_text())
+        legs = earlier.get("legs", []) + [{k: earlier.get(k) for k in (
+            "init", "steps", "minutes", "stage_reached", "best_heldout_during_training")}]
+        stage = min(earlier.get("stage_reached", 0), len(LONG_CURRICULUM) - 1)
+        if stage == len(LONG_CURRICULUM) - 1:  # only a better checkpoint replaces it
+            best = earlier.get("best_heldout_during_training", -1.0) or -1.0
     vocab = LONG_VOCAB
     opt, sched = _optimizer(model, lr, warmup)
     rng = random.Random(seed)
-    step, history, best = 0, [], -1.0
+    step, history = 0, []
     last = len(LONG_CURRICULUM) - 1
     start = time.time()
     bar = tqdm(total=int(minutes * 60), unit="s", desc="training long (time box)")
@@ -407,9 +410,10 @@ def load_reasoner(folder: str | Path | None = None):
 
     folder = Path(folder) if folder is not None else SHIPPED
     if not (folder / "model.safetensors").exists():
+        task = " --task long" if folder.resolve() == SHIPPED_LONG else ""
         raise FileNotFoundError(
             f"no trained reasoner in {folder}; train one with "
-            f"`python -m tierattn.eval.train_reasoner --out {folder}`.")
+            f"`python -m tierattn.eval.train_reasoner{task} --out {folder}`.")
     vocab = Vocab(**json.loads((folder / "vocab.json").read_text()))
     model = LlamaForCausalLM(LlamaConfig.from_json_file(str(folder / "config.json")))
     missing, unexpected = model.load_state_dict(load_file(str(folder / "model.safetensors")),

@@ -30,11 +30,14 @@ sequence:
 4. **count** on the device (optional): hits into ``hits [1]``, pages left to copy per lower tier
    into ``recalled [T]``.
 
-Nothing is read back to the host: the step stays capturable in a CUDA graph.
+Nothing is read back to the host: the step stays capturable in a CUDA graph. A row of more
+than :data:`MAX_BLOCK_N` candidates (a 256K-token context of 16-token pages) is selected by the
+torch path instead (the same result, ~17 launches).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +53,16 @@ __all__ = ["PageSelection", "SELECT_REDUCES", "rank_pages", "select_pages",
 
 #: how per-head scores become one rank per page
 SELECT_REDUCES = ("max", "lse")
+
+
+#: most candidates per row one program sorts (a 1M-token context of 16-token pages has 64K);
+#: longer rows go through the torch path
+MAX_BLOCK_N = 16384
+
+
+def _num_warps(block_n: int) -> int:
+    """Warps for a row of ``block_n`` keys: ~32 int64 keys per thread at most."""
+    return max(4, min(16, block_n // 1024))
 
 
 @dataclass
@@ -111,6 +124,8 @@ def _select_kernel(
         else:
             rank = tl.maximum(rank, s)
 
+    rank = tl.where(rank == rank, rank, float("-inf"))  # a NaN score ranks like padding
+
     # 2. select: sort (rank, index) keys, best first; ties to the lower index (lanes past n rank
     # -inf like padding and come after it: their index is higher)
     bits = tl.where(rank == 0.0, 0.0, rank).to(tl.int32, bitcast=True)  # -0.0 ties +0.0
@@ -166,12 +181,15 @@ def _select_kernel(
 
 def rank_pages(scores: torch.Tensor, reduce: str) -> torch.Tensor:
     """``[B, n]`` rank of each candidate from per-head ``scores [B, n, H]`` (step 1 of the
-    module docstring; -inf padding stays -inf), in torch."""
+    module docstring; -inf padding stays -inf, a NaN rank becomes -inf), in torch."""
     s = scores.float()
     if reduce == "max":
-        return s.max(-1).values
-    share = torch.log_softmax(s, dim=1).nan_to_num(nan=float("-inf"))  # a dead head: -inf
-    return share.logsumexp(-1)
+        rank = s.max(-1).values
+    else:
+        # a dead head (every score -inf) gives NaN shares: it adds nothing
+        share = torch.log_softmax(s, dim=1).nan_to_num(nan=-math.inf, neginf=-math.inf)
+        rank = share.logsumexp(-1)
+    return rank.nan_to_num(nan=-math.inf, neginf=-math.inf)  # a NaN ranks like padding
 
 
 def select_pages_reference(scores: torch.Tensor, k: int, *, reduce: str, cand_cols: torch.Tensor,
@@ -276,6 +294,8 @@ def select_pages(
     """
     if validate:
         _check(scores, k, reduce, cand_cols, cand_lse, cand_slots, cand_first, prev_cols)
+    elif not 1 <= k <= scores.shape[1]:  # host ints: checked even on the hot path
+        raise KernelInputError(f"k must be in [1, n={scores.shape[1]}]; got {k}.")
     b, n, heads = scores.shape
     tiers = cand_slots.shape[0]
     dev = scores.device
@@ -299,7 +319,8 @@ def select_pages(
         out_dst = out_dst if out_dst is not None else torch.empty(b, k, **i32)
         if cand_first is not None and out_first is None:
             out_first = torch.empty(b, k, **i32)
-    if resolve_backend(backend, scores) == "torch":
+    # one program sorts a whole row: past MAX_BLOCK_N candidates the torch path does it
+    if resolve_backend(backend, scores) == "torch" or next_pow2(n) > MAX_BLOCK_N:
         ref = select_pages_reference(scores, k, reduce=reduce, cand_cols=cand_cols,
                                      cand_lse=cand_lse, cand_slots=cand_slots,
                                      cand_first=cand_first, prev_cols=prev_cols)
@@ -330,5 +351,6 @@ def select_pages(
         REDUCE_LSE=reduce == "lse", HAS_FIRST=first is not None, HAS_PREV=prev is not None,
         COUNT_HITS=hits is not None and prev is not None, COUNT_RECALLED=recalled is not None,
         BLOCK_N=next_pow2(n), BLOCK_K=block_k, CHUNK=min(block_k, 16),
+        num_warps=_num_warps(next_pow2(n)),
     )
     return PageSelection(cols, both[0], both[1], out_lse, out_first, out_dst)

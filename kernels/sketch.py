@@ -395,7 +395,9 @@ def sketch_score(
             heads: its unnormalized attention mass, which ranks pages as the softmax weighs
             them). ``max`` is monotonic in ``sm_scale`` and ``softcap``; ``lse`` is not, so
             pass the attention's own.
-        sm_scale: logit scale (default ``D ** -0.5``).
+        sm_scale: logit scale (default ``q``'s head dim ``** -0.5``: with ``basis``, the full
+            ``D_q``'s, the attention's; a query projected outside and passed without a scale
+            would get ``rank ** -0.5`` -- pass the attention's own).
         softcap: optional logit softcap ``c``: logits become ``c * tanh(s / c)``.
         num_splits: programs per (sequence, KV head) sharing a row's entries, an int >= 1 or
             ``"auto"`` (host sizes only, no sync); results do not depend on it.

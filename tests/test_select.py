@@ -197,3 +197,24 @@ def test_reference_is_the_runtime_rank():
         top = rank.topk(6, dim=1)
         real = top.values > float("-inf")
         assert torch.equal(ref.cols[real], cols.gather(1, top.indices)[real])
+
+
+def test_nan_scores_rank_last_and_k_is_checked_on_the_hot_path(device):
+    """A NaN score never puts padding among the real pages: with ``max`` the NaN page ranks like
+    padding, after every real one; with ``lse`` it poisons its head's normalizer, so the row's
+    ranks are all -inf and the compacted candidates keep their order, padding last -- kernel and
+    reference alike. ``k`` outside [1, n] raises even with ``validate=False``."""
+    scores = torch.tensor([[[float("nan")], [1.0], [2.0], [float("-inf")]]])
+    cols = torch.tensor([[7, 8, 9, -1]])
+    lse = torch.zeros(1, 4, dtype=torch.int32)
+    slots = torch.zeros(1, 1, 4, dtype=torch.int32)
+    for reduce, want in (("max", [[9, 8, 7]]), ("lse", [[7, 8, 9]])):
+        for backend in ("triton", "torch"):
+            got = select_pages(scores.to(device), 3, reduce=reduce, cand_cols=cols.to(device),
+                               cand_lse=lse.to(device), cand_slots=slots.to(device),
+                               backend=backend)
+            assert got.cols.cpu().tolist() == want, (reduce, backend)
+    for k in (0, 5):
+        with pytest.raises(KernelInputError, match="k must"):
+            select_pages(scores, k, reduce="max", cand_cols=cols, cand_lse=lse,
+                         cand_slots=slots, validate=False)

@@ -99,9 +99,11 @@ def test_widen_keeps_the_function_on_the_old_tokens():
 def test_long_task_prompts_are_over_1k_tokens():
     cfg = long_task()
     assert cfg.hop_range == (1, 4)
+    # the shortest prompt: a 1-hop query among 63 distractors of 4 hops, one filler per edge
+    shortest = 1 + (1 + 63 * 4) * (3 + cfg.filler[0]) + 3
+    assert shortest == 1016 >= 1000
     ids, _ = batch(cfg, 64, random.Random(0))
-    lengths = (ids != 0).sum(1)  # prompt and answer, no padding
-    assert int(lengths.min()) >= 1024 + 3
+    assert int((ids != 0).sum(1).min()) >= shortest + 2  # prompt and answer, no padding
 
 
 def test_short_long_training_run_starts_from_a_reasoner(tmp_path):
