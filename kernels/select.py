@@ -4,7 +4,7 @@ staged.
 
 ``attend="topk"`` scores every cold candidate page per KV head (the key sketch, or Quest's
 bound) and must turn that into a staged table of ``k`` pages per sequence. Done in torch that is
-~17 small launches per layer and step (a log-softmax, a logsumexp, a top-k, four gathers, the
+~19 small launches per layer and step (a log-softmax, a logsumexp, a top-k, four gathers, the
 hit test against the previous selection, the device counters); here it is one program per
 sequence:
 
@@ -32,7 +32,7 @@ sequence:
 
 Nothing is read back to the host: the step stays capturable in a CUDA graph. A row of more
 than :data:`MAX_BLOCK_N` candidates (a 256K-token context of 16-token pages) is selected by the
-torch path instead (the same result, ~17 launches).
+torch path instead (the same result, in torch ops).
 """
 
 from __future__ import annotations

@@ -189,11 +189,11 @@ class Prefetcher:
             return
         sel = pre.selection if pre is not None and pre.selection is not None and \
             pre.selection.version == tabs.cold_version and pre.selection.k == k else None
-        # a captured step counts on the device: its host totals would be baked in
-        host_total = sel is None and not self.mover.direct
         on_disk = self.disk is not None and self.mover.on_disk(layer)
         held = self.mover.memory_tiers_held(layer)
-        host_count = host_total and not on_disk and len(held) == 1
+        # the host counts the copied pages when it knows them: nothing was prefetched, one tier
+        # holds them all, no disk, and not a captured step (its host totals would be baked in)
+        host_count = sel is None and not self.mover.direct and not on_disk and len(held) == 1
         table = rc.table
         out_lse, out_first, out_dst = rc.outs
         hits, recalled = self.telemetry.device_counters[layer]
