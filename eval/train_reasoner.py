@@ -21,17 +21,25 @@ Time-boxed, seeded, checkpointed; judged by held-out exact-chain accuracy (argma
 every answer position under teacher forcing, which equals greedy decoding getting the whole
 chain right) on fresh seeds.
 
-The **long reasoner** (``--task long``, shipped in ``reasoner_long/``) answers the same queries
-over 1016-1284-token prompts: 64 chains of 4 hops with 1-2 filler tokens after every edge, 512
-node tokens (:func:`~tierattn.eval.tasks.long_task`). It starts from the short reasoner
-(:func:`widen`: the node embeddings grow to 512, the new rows drawn from the trained nodes' own
-covariance -- zero-shot 0.34 at 24 chains where per-dimension Gaussian rows give 0.05) and
-follows :data:`LONG_CURRICULUM` with rehearsal (:func:`train_long`): more chains, then the
-fillers. Zero-shot the short reasoner scores 0.51 at 48 chains of its own vocabulary: it does
-not find edges past the distances it was trained on.
+The **long reasoner** (``--task long``, shipped in ``reasoner_long/``; its training is not
+finished: 0.44-0.58 exact chains held out) answers the same queries over 1016-1284-token
+prompts: 64 chains of 4 hops with 1-2 filler tokens after every edge, 512 node tokens
+(:func:`~tierattn.eval.tasks.long_task`). It starts from the short reasoner (:func:`widen`:
+the node embeddings grow to 512, the new rows drawn from the trained nodes' own covariance --
+zero-shot 0.34 at 24 chains where per-dimension Gaussian rows give 0.05) and
+follows :data:`LONG_CURRICULUM` with rehearsal on each stage's own prompts
+(:func:`train_long`): more chains, then the fillers. Zero-shot the short reasoner scores 0.51
+at 48 chains of its own vocabulary: it does not find edges past the distances it was trained
+on; a reasoner trained to 64 chains without fillers (~770 tokens) scores 0.03 at 80 chains, so
+every position of the long prompts has to be trained. Fillers break the edges' fixed 3-token
+stride, which the lookup learned on regular prompts leans on: with rehearsal on 32-chain
+prompts without fillers the final stage sat near 0.3 for 450 steps, so the rehearsal now lists
+the stage's own prompts, fillers and all, then repeats their edges and asks queries in the
+task's format (the README's "Training the reasoner" has the legs and their figures).
 
     python -m tierattn.eval.train_reasoner --out DIR --minutes 30 --seed 1 --threads 1
     python -m tierattn.eval.train_reasoner --task long --out DIR --minutes 75 --threads 2
+    python -m tierattn.eval.train_reasoner --task long --init DIR --out DIR2 --stop-at 0.97
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from tierattn.eval.tasks import LONG_VOCAB, PAD, TaskConfig, Vocab, long_task, make_example
+from tierattn.eval.tasks import (ANSWER, EOS, LONG_VOCAB, PAD, QUERY, SEP, TaskConfig, Vocab,
+                                 long_task, make_example)
 
 __all__ = ["CURRICULUM", "LONG_CURRICULUM", "SHIPPED", "SHIPPED_LONG", "build_model", "evaluate",
            "load_reasoner", "to_gqa", "train", "train_long", "widen"]
@@ -137,24 +146,41 @@ def batch(cfg: TaskConfig, n: int, rng: random.Random) -> tuple[torch.Tensor, to
                 [[-100] * len(e.prompt) + e.target for e in examples])
 
 
-def rehearsal_batch(cfg: TaskConfig, n: int, rng: random.Random
+def rehearsal_batch(cfg: TaskConfig, n: int, rng: random.Random, *,
+                    max_edges: int | None = None, queries: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Training-only sequences that teach the lookup (induction) step directly: a prompt's
-    edges ``u v ;`` (at least 8 chains), then the same edges again in a new order, with the
-    loss on every repeated ``v`` -- predictable only by finding ``u`` earlier in the context and
-    copying what followed it. One lookup per edge instead of one per query is what moves the
-    model off the plateau."""
+    edges ``u v ;`` (at least 8 chains, with ``cfg``'s fillers), then the same edges again in a
+    new order and without fillers (at most ``max_edges`` of them), with the loss on every
+    repeated ``v`` -- predictable only by finding ``u`` earlier in the context and copying what
+    followed it. One lookup per edge instead of one per query is what moves the model off the
+    plateau; with fillers the first listing's edges sit at irregular offsets, so the lookup
+    must find ``u`` by content, where the answer of a filler prompt needs it.
+
+    ``queries``: then that many queries in the task's own format, ``? u > ... <eos>`` from a
+    random node of a random chain to the chain's end, the loss on every answer token -- the
+    answer format's lookups (the first hop reads its node one position back) with many answers
+    per prompt where a task sequence has one.
+    """
     cfg = TaskConfig(hops=cfg.hops, chains=max(8, cfg.chains), distractor_hops=cfg.distractor_hops,
-                     vocab=cfg.vocab)
+                     filler=cfg.filler, vocab=cfg.vocab)
     seqs, labels = [], []
     for _ in range(n):
         e = make_example(cfg, rng)
-        edges = [e.prompt[i:i + 3] for i in range(1, len(e.prompt) - 3, 3)]
+        prompt = e.prompt[:-3]  # without the query
+        edges = [prompt[i:i + 3] for i in range(1, len(prompt) - 2) if prompt[i + 2] == SEP]
         rng.shuffle(edges)
-        seq, lab = e.prompt[:-3], [-100] * (len(e.prompt) - 3)
-        for u, v, sep in edges:
+        seq, lab = list(prompt), [-100] * len(prompt)
+        for u, v, sep in edges[:max_edges]:
             seq += [u, v, sep]
             lab += [-100, v, -100]
+        succ = {u: v for u, v, _ in edges}
+        for u in rng.sample(sorted(succ), min(queries, len(succ))):
+            answer = [succ[u]]
+            while answer[-1] in succ:
+                answer.append(succ[answer[-1]])
+            seq += [QUERY, u, ANSWER] + answer + [EOS]
+            lab += [-100, -100, -100] + answer + [EOS]
         seqs.append(seq)
         labels.append(lab)
     return _pad(seqs, labels)
@@ -301,19 +327,25 @@ def widen(model, vocab: Vocab, new_vocab: Vocab, *, max_positions: int = 2048, s
 
 def train_long(out: str | Path, *, init: str | Path | None = None, minutes: float = 75.0,
                seed: int = 0, batch_size: int = 16, lr: float = 1e-3, warmup: int = 50,
-               threshold: float = 0.95, eval_every: int = 50, rehearsal_chains: int = 32,
-               heldout: int = 256, threads: int | None = None) -> dict:
+               threshold: float = 0.95, eval_every: int = 50, rehearsal_edges: int = 96,
+               rehearsal_queries: int = 16,
+               heldout: int = 256, threads: int | None = None,
+               stop_at: float | None = None) -> dict:
     """Fine-tune a trained reasoner (default: the shipped short one) into the long reasoner.
 
-    Every other batch is a rehearsal batch of ``min(rehearsal_chains, stage's chains)`` chains
-    without fillers over the whole new vocabulary (one lookup per edge: it is what teaches the new
-    node rows); the task batches
+    Every other batch is a rehearsal batch (:func:`rehearsal_batch`) on the stage's own prompts,
+    fillers included, with at most ``rehearsal_edges`` edges repeated and ``rehearsal_queries``
+    queries after them (one lookup per edge over
+    the whole new vocabulary and every position of the stage: it is what teaches the new node
+    rows, the positions past the short task's and, with fillers, the lookup by content); the
+    task batches
     follow :data:`LONG_CURRICULUM`, advancing when held-out exact-chain accuracy passes
     ``threshold``. Each stage reached is checkpointed to ``out``; the shipped weights are the
     best checkpoint on the final stage. ``init`` may be an earlier run of this function (its
     vocabulary is already the long one): training resumes at the stage it reached, and the
     report lists the earlier legs. ``heldout``: items per hop count of the final report (the
-    mid-run checks use at most 128 of the stage's mixed hop counts).
+    mid-run checks use at most 128 of the stage's mixed hop counts). ``stop_at``: a mid-run
+    check on the final stage at or above it ends the run before the time box.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -342,9 +374,9 @@ def train_long(out: str | Path, *, init: str | Path | None = None, minutes: floa
     while time.time() - start < minutes * 60:
         chains, filler = LONG_CURRICULUM[stage]
         cfg = long_task(vocab, chains=chains, filler=filler)
-        if step % 2:  # lookups without fillers
-            ids, labels = rehearsal_batch(long_task(vocab, chains=min(rehearsal_chains, chains),
-                                                    filler=(0, 0)), batch_size, rng)
+        if step % 2:  # lookups in the stage's own prompts
+            ids, labels = rehearsal_batch(cfg, batch_size, rng, max_edges=rehearsal_edges,
+                                          queries=rehearsal_queries)
         else:
             ids, labels = batch(cfg, batch_size, rng)
         loss = _step(model, opt, sched, ids, labels)
@@ -361,6 +393,8 @@ def train_long(out: str | Path, *, init: str | Path | None = None, minutes: floa
             best = acc
             save(model, vocab, out, _partial(init, legs, step, start, stage, history), seed,
                  final=False)
+            if stop_at is not None and acc >= stop_at:
+                break
         elif stage < last and acc >= threshold:
             stage += 1  # checkpointed: a later run resumes here
             save(model, vocab, out, _partial(init, legs, step, start, stage, history), seed,
@@ -373,7 +407,9 @@ def train_long(out: str | Path, *, init: str | Path | None = None, minutes: floa
     report = {
         "task": "long", "init": str(init or SHIPPED), "legs": legs, "steps": step,
         "minutes": (time.time() - start) / 60, "seed": seed, "lr": lr,
-        "batch_size": batch_size, "stage_reached": stage, "curriculum_finished": best >= 0,
+        "batch_size": batch_size, "rehearsal_edges": rehearsal_edges,
+        "rehearsal_queries": rehearsal_queries, "stage_reached": stage,
+        "curriculum_finished": best >= 0,
         "best_heldout_during_training": best,
         "heldout_exact_chain": {
             f"hops{h}_long": evaluate(model, long_task(vocab, hops=h), heldout,
@@ -436,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                    "long run's folder: resume at the stage it reached)")
     p.add_argument("--threshold", type=float, default=0.95,
                    help="--task long: held-out accuracy that advances the curriculum")
+    p.add_argument("--stop-at", type=float, default=None,
+                   help="--task long: final-stage held-out accuracy that ends the run early")
     p.add_argument("--out", required=True)
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
@@ -449,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.task == "long":
         report = train_long(args.out, init=args.init, minutes=args.minutes, seed=args.seed,
-                            threads=args.threads, threshold=args.threshold)
+                            threads=args.threads, threshold=args.threshold,
+                            stop_at=args.stop_at)
         print(json.dumps(report["heldout_exact_chain"], indent=1))
         return 0
     report = train(args.out, minutes=args.minutes, seed=args.seed, q_per_kv=args.q_per_kv,
