@@ -335,17 +335,16 @@ def train_long(out: str | Path, *, init: str | Path | None = None, minutes: floa
 
     Every other batch is a rehearsal batch (:func:`rehearsal_batch`) on the stage's own prompts,
     fillers included, with at most ``rehearsal_edges`` edges repeated and ``rehearsal_queries``
-    queries after them (one lookup per edge over
-    the whole new vocabulary and every position of the stage: it is what teaches the new node
-    rows, the positions past the short task's and, with fillers, the lookup by content); the
-    task batches
-    follow :data:`LONG_CURRICULUM`, advancing when held-out exact-chain accuracy passes
-    ``threshold``. Each stage reached is checkpointed to ``out``; the shipped weights are the
-    best checkpoint on the final stage. ``init`` may be an earlier run of this function (its
-    vocabulary is already the long one): training resumes at the stage it reached, and the
-    report lists the earlier legs. ``heldout``: items per hop count of the final report (the
-    mid-run checks use at most 128 of the stage's mixed hop counts). ``stop_at``: a mid-run
-    check on the final stage at or above it ends the run before the time box.
+    queries after them (one lookup per edge over the whole new vocabulary and every position of
+    the stage: it is what teaches the new node rows, the positions past the short task's and,
+    with fillers, the lookup by content); the task batches follow :data:`LONG_CURRICULUM`,
+    advancing when held-out exact-chain accuracy passes ``threshold``. Each stage reached is
+    checkpointed to ``out``; the shipped weights are the best checkpoint on the final stage.
+    ``init`` may be an earlier run of this function (its vocabulary is already the long one):
+    training resumes at the stage it reached, and the report lists the earlier legs.
+    ``heldout``: items per hop count of the final report (the mid-run checks use at most 128 of
+    the stage's mixed hop counts). ``stop_at``: a mid-run check on the final stage at or above
+    it ends the run before the time box.
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -393,12 +392,13 @@ def train_long(out: str | Path, *, init: str | Path | None = None, minutes: floa
             best = acc
             save(model, vocab, out, _partial(init, legs, step, start, stage, history), seed,
                  final=False)
-            if stop_at is not None and acc >= stop_at:
-                break
         elif stage < last and acc >= threshold:
             stage += 1  # checkpointed: a later run resumes here
             save(model, vocab, out, _partial(init, legs, step, start, stage, history), seed,
                  final=False)
+        if history[-1]["stage"] == last and stop_at is not None and acc >= stop_at:
+            break  # solved (on the final stage's items): even a check no better than an earlier
+            # leg's best ends the run
     bar.close()
     if best < 0:  # the curriculum did not reach the long task in time: keep what there is
         save(model, vocab, out, _partial(init, legs, step, start, stage, history), seed,
