@@ -519,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="most of the time box spent on the MHA curriculum before GQA")
     p.add_argument("--untied", action="store_true", help="separate output embeddings")
     args = p.parse_args(argv)
+    if args.task == "short" and args.lr_final is not None:
+        p.error("--lr-final is a --task long option (the short recipe's rate is fixed).")
     if args.task == "long":
         report = train_long(args.out, init=args.init, minutes=args.minutes, seed=args.seed,
                             threads=args.threads, threshold=args.threshold,

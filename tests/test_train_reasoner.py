@@ -13,7 +13,7 @@ import torch
 from tierattn.eval.tasks import TaskConfig, Vocab
 from tierattn.eval.tasks import LONG_VOCAB, long_task
 from tierattn.eval.train_reasoner import (LONG_CURRICULUM, SHIPPED_LONG, batch, build_model,
-                                          cosine_decay, evaluate, load_reasoner,
+                                          cosine_decay, evaluate, load_reasoner, main,
                                           rehearsal_batch, save, to_gqa, train, train_long,
                                           widen)
 
@@ -178,6 +178,12 @@ def test_resumed_final_stage_run_keeps_its_start_unless_a_check_beats_it(tmp_pat
             torch.testing.assert_close(model.state_dict()[k], v)
     with pytest.raises(ValueError, match="lr_final"):
         train_long(tmp_path / "bad", init=init, minutes=0.01, lr=1e-3, lr_final=2e-3)
+
+
+def test_lr_final_is_refused_for_the_short_recipe(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--lr-final", "1e-4", "--out", str(tmp_path)])
+    assert "--lr-final is a --task long option" in capsys.readouterr().err
 
 
 def test_cosine_decay_falls_from_one_to_its_floor():
