@@ -428,8 +428,8 @@ def train_long(out: str | Path, *, init: str | Path | None = None, minutes: floa
             save(model, vocab, out, _partial(init, legs, step, start, stage, history), seed,
                  final=False)
         if history[-1]["stage"] == last and stop_at is not None and acc >= stop_at:
-            break  # solved (on the final stage's items): even a check no better than an earlier
-            # leg's best ends the run
+            break  # solved (on the final stage's items): even a check no better than the
+            # run's best so far (the resumed weights' step-0 score included) ends the run
     bar.close()
     if best < 0:  # the curriculum did not reach the long task in time: keep what there is
         save(model, vocab, out, _partial(init, legs, step, start, stage, history), seed,
