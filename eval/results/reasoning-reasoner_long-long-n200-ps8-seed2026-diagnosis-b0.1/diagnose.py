@@ -21,18 +21,28 @@ The shipped long reasoner, the long task's main section (seed 2026), 10% HBM, gr
                  exact  their exact weighted values (a check of the plumbing: offload's result);
                  page   each page's mean value, weighted by the page's exact mass;
                  mean   the mean value of all of them (SparQ's "mean value reallocation").
+4. sketched -- the ``exact`` tail computed from estimated keys (weights) or values, on
+              ``--sketched-items`` items beside the full cache and topk as shipped: keys or
+              values at 8 / 6 / 4 bits per channel (uniform over each channel's range), and
+              topk's own key tier (``key_rank`` channels of the fitted basis at ``key_bits``).
+5. split   -- the recall shared unevenly by the layers (``--splits``: the share of the cold tokens
+              each layer recalls), to compare with the curve's uniform recalls at similar bytes:
+              what a recall that follows each layer's mass would do.
 
     python eval/results/reasoning-reasoner_long-long-n200-ps8-seed2026-diagnosis-b0.1/diagnose.py
 
 (run from outside the repository root, or the top-level ``kernels/`` folder shadows the
-package's; about 15 minutes on 2 CPU cores). Writes ``diagnosis.json`` and ``curve.png`` beside
-itself. Parts 1 and 3 patch :meth:`tierattn.attention.Attention.decode` in this process only:
-their extra passes over the cold pages are diagnostics and their bytes are not topk's.
+package's; about 20 minutes on 2 CPU cores; ``--parts`` runs some parts and keeps the others'
+results). Writes ``diagnosis.json`` and ``curve.png`` beside itself. Parts 1, 3 and 4 patch
+:meth:`tierattn.attention.Attention.decode` in this process only: their extra passes over the
+cold pages are diagnostics and their bytes are not topk's; part 5 replaces
+``SketchTopK.budget`` the same way.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -42,6 +52,7 @@ import torch
 from tierattn.attention import Attention
 from tierattn.importance import project_keys
 from tierattn.kernels.sketch import quantize_keys, unpack_keys
+from tierattn.policy import SketchTopK
 from tierattn.eval import reasoning as R
 from tierattn.eval.methods import plan_cell
 from tierattn.eval.tasks import EOS, PAD, SEP, make_examples
@@ -287,6 +298,21 @@ SKETCHED = (("keys 8-bit", lambda att, layer: quantized(8), None),
             ("values 4-bit", None, lambda att, layer: quantized(4)))
 
 
+class Split:
+    """Per-layer recall shares for :class:`SketchTopK` (``None``: the config's own)."""
+
+    def __init__(self):
+        self.shares = None
+        budget = SketchTopK.budget
+
+        def per_layer(recall, layer):
+            if self.shares is None:
+                return budget(recall, layer)
+            config = dataclasses.replace(recall.config, recall_budget=self.shares[layer])
+            return config.recall_pages(recall.pages.num_pages(layer), recall.pages.length(layer))
+        SketchTopK.budget = per_layer
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--items", type=int, default=200)
@@ -295,7 +321,9 @@ def main():
     ap.add_argument("--sketched-items", type=int, default=50)
     ap.add_argument("--hbm", type=float, default=0.1)
     ap.add_argument("--recalls", default="0.25,0.4,0.6,0.8,1.0")
-    ap.add_argument("--parts", default="spread,mass,curve,tails,sketched",
+    ap.add_argument("--splits", default="0.8/0.07/0.8,0.35/0.05/0.35",
+                    help="part 5: comma-separated per-layer recall shares, '/' between layers")
+    ap.add_argument("--parts", default="spread,mass,curve,tails,sketched,split",
                     help="which parts to run; the others keep their results in diagnosis.json")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -369,6 +397,21 @@ def main():
             result["sketched"]["rows"].append({"tail": name, "accuracy": acc})
             print(result["sketched"]["rows"][-1], f"{time.time() - t0:.0f}s", flush=True)
         probe.keys = probe.values = None
+    if "split" in parts:
+        probe.mode, split = None, Split()
+        offload = next(r["h2d_bytes_per_token"] for r in result["curve"]["rows"]
+                       if r["method"] == "offload")
+        result["split"] = {"items": args.items, "rows": []}
+        for spec in args.splits.split(","):
+            split.shares = [float(x) for x in spec.split("/")]
+            # the staging buffers are sized by the config's share: the largest layer's
+            row = evaluate([{"method": f"topk-split-{spec}", "config": topk(max(split.shares)),
+                             "hbm": args.hbm}], args.items)[-1]
+            result["split"]["rows"].append({
+                "shares": split.shares, "accuracy": row["accuracy"],
+                "bytes_vs_offload": row["h2d_bytes_per_token"] / offload})
+            print(result["split"]["rows"][-1], f"{time.time() - t0:.0f}s", flush=True)
+        split.shares = None
     probe.mode = None
     out.write_text(json.dumps(result, indent=1))
     plot(result)
