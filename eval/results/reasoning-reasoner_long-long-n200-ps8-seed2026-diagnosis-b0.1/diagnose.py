@@ -27,7 +27,10 @@ The shipped long reasoner, the long task's main section (seed 2026), 10% HBM, gr
               topk's own key tier (``key_rank`` channels of the fitted basis at ``key_bits``).
 5. split   -- the recall shared unevenly by the layers (``--splits``: the share of the cold tokens
               each layer recalls), to compare with the curve's uniform recalls at similar bytes:
-              what a recall that follows each layer's mass would do.
+              what a recall that follows each layer's mass would do; and one layer's recall
+              made exact (1.0) with the others' at topk's 0.25: which layers' reads matter.
+6. short   -- parts 0 and 1 for the short reasoner on its own task (``--short-items``, its
+              full cache and topk at the same HBM share beside them): is it less diffuse?
 
     python eval/results/reasoning-reasoner_long-long-n200-ps8-seed2026-diagnosis-b0.1/diagnose.py
 
@@ -56,7 +59,7 @@ from tierattn.policy import SketchTopK
 from tierattn.eval import reasoning as R
 from tierattn.eval.methods import plan_cell
 from tierattn.eval.tasks import EOS, PAD, SEP, make_examples
-from tierattn.eval.train_reasoner import SHIPPED_LONG, load_reasoner
+from tierattn.eval.train_reasoner import SHIPPED, SHIPPED_LONG, load_reasoner
 
 HERE = Path(__file__).parent
 ORIGINAL = Attention.decode
@@ -321,9 +324,10 @@ def main():
     ap.add_argument("--sketched-items", type=int, default=50)
     ap.add_argument("--hbm", type=float, default=0.1)
     ap.add_argument("--recalls", default="0.25,0.4,0.6,0.8,1.0")
-    ap.add_argument("--splits", default="0.8/0.07/0.8,0.35/0.05/0.35",
+    ap.add_argument("--short-items", type=int, default=40)
+    ap.add_argument("--splits", default="0.25/1/0.25,1/0.25/1,0.8/0.07/0.8,0.35/0.05/0.35",
                     help="part 5: comma-separated per-layer recall shares, '/' between layers")
-    ap.add_argument("--parts", default="spread,mass,curve,tails,sketched,split",
+    ap.add_argument("--parts", default="spread,mass,curve,tails,sketched,split,short",
                     help="which parts to run; the others keep their results in diagnosis.json")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -412,6 +416,25 @@ def main():
                 "bytes_vs_offload": row["h2d_bytes_per_token"] / offload})
             print(result["split"]["rows"][-1], f"{time.time() - t0:.0f}s", flush=True)
         split.shares = None
+    if "short" in parts:  # parts 0 and 1 on the short reasoner and its own task; the
+        # closures above (topk, evaluate) read these names from here on
+        model, vocab = load_reasoner(SHIPPED)
+        cfg = R.tasks(vocab)["main"]
+        examples = make_examples(cfg, args.short_items, seed=2026)
+        steps = cfg.hop_range[1] + 4
+        max_context = -(-(max(len(e.prompt) for e in examples) + steps + 8) // 8) * 8
+        shortest = min(len(e.prompt) for e in examples)
+        probe.mode = "mass"
+        probe.stats.clear()
+        rows = evaluate([{"method": "full", "config": None},
+                         {"method": "topk", "config": topk(0.25), "hbm": args.hbm}],
+                        args.short_items)
+        result["short"] = {
+            "model": SHIPPED.name, "items": args.short_items,
+            "accuracy": {r["method"]: r["accuracy"] for r in rows},
+            "mass": {k: sum(v) / len(v) for k, v in sorted(probe.stats.items())},
+            "spread": spread(model, vocab, examples[:args.spread_items])}
+        print(json.dumps(result["short"], indent=1), f"{time.time() - t0:.0f}s", flush=True)
     probe.mode = None
     out.write_text(json.dumps(result, indent=1))
     plot(result)
