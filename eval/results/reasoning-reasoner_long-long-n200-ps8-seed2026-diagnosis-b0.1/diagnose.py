@@ -13,6 +13,7 @@ The shipped long reasoner, the long task's main section (seed 2026), 10% HBM, gr
               each KV head chose its own pages (oracle per head); the cold set's share of the
               whole mass; the share of the cold pages the oracle needs for 90% / 95% of the
               cold mass. Means per layer.
+   (1b, ``mass-recalls``: the same at the larger recall shares ``--mass-recalls``.)
 2. curve   -- accuracy and H2D bytes per token as the recalled share of the cold tokens grows
               (``recall_budget`` with ``recall_scope="cold"``: 0.25 is topk's default), next to
               the full cache and exact offload: what this reader costs.
@@ -325,9 +326,11 @@ def main():
     ap.add_argument("--hbm", type=float, default=0.1)
     ap.add_argument("--recalls", default="0.25,0.4,0.6,0.8,1.0")
     ap.add_argument("--short-items", type=int, default=40)
+    ap.add_argument("--mass-recalls", default="0.4,0.6",
+                    help="part 1b: part 1 again at these recall shares")
     ap.add_argument("--splits", default="0.25/1/0.25,1/0.25/1,0.8/0.07/0.8,0.35/0.05/0.35",
                     help="part 5: comma-separated per-layer recall shares, '/' between layers")
-    ap.add_argument("--parts", default="spread,mass,curve,tails,sketched,split,short",
+    ap.add_argument("--parts", default="spread,mass,mass-recalls,curve,tails,sketched,split,short",
                     help="which parts to run; the others keep their results in diagnosis.json")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -366,6 +369,16 @@ def main():
         result["mass"] = {"items": args.mass_items,
                           **{k: sum(v) / len(v) for k, v in sorted(probe.stats.items())}}
         print(json.dumps(result["mass"], indent=1), f"{time.time() - t0:.0f}s", flush=True)
+    if "mass-recalls" in parts:
+        result["mass_by_recall"] = {}
+        for r in map(float, args.mass_recalls.split(",")):
+            probe.mode = "mass"
+            probe.stats.clear()
+            evaluate([{"method": "topk", "config": topk(r), "hbm": args.hbm}], args.mass_items)
+            result["mass_by_recall"][f"{r:g}"] = {
+                "items": args.mass_items,
+                **{k: sum(v) / len(v) for k, v in sorted(probe.stats.items())}}
+            print(r, json.dumps(result["mass_by_recall"][f"{r:g}"], indent=1), flush=True)
     if "curve" in parts:
         probe.mode = None
         runs = [{"method": "full", "config": None},
