@@ -521,14 +521,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.task == "short" and args.lr_final is not None:
         p.error("--lr-final is a --task long option (the short recipe's rate is fixed).")
+    for name in ("lr", "lr_final"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be a positive rate, got "
+                    f"{getattr(args, name)}.")
+    lr = args.lr if args.lr is not None else 1e-3 if args.task == "long" else 2e-3
     if args.task == "long":
         report = train_long(args.out, init=args.init, minutes=args.minutes, seed=args.seed,
                             threads=args.threads, threshold=args.threshold,
-                            stop_at=args.stop_at, lr=args.lr or 1e-3, lr_final=args.lr_final)
+                            stop_at=args.stop_at, lr=lr, lr_final=args.lr_final)
         print(json.dumps(report["heldout_exact_chain"], indent=1))
         return 0
     report = train(args.out, minutes=args.minutes, seed=args.seed, q_per_kv=args.q_per_kv,
-                   lr=args.lr or 2e-3, mha_fraction=args.mha_fraction, tied=not args.untied,
+                   lr=lr, mha_fraction=args.mha_fraction, tied=not args.untied,
                    threads=args.threads)
     print(json.dumps({k: report[k] for k in ("heldout_exact_chain",
                                              "heldout_exact_chain_filler")}, indent=1))

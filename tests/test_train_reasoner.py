@@ -170,12 +170,17 @@ def test_resumed_final_stage_run_keeps_its_start_unless_a_check_beats_it(tmp_pat
     report = train_long(tmp_path / "out", init=init, minutes=0.02, batch_size=2, eval_every=1,
                         heldout=2, threads=1, lr_final=1e-4)
     assert report["history"][0]["step"] == 0 and report["history"][0]["loss"] is None
+    assert len(report["history"]) > 1  # checks ran after step 0
     assert report["best_heldout_during_training"] == max(h["acc"] for h in report["history"])
     assert report["legs"][-1]["best_heldout_during_training"] == 1.5
-    model, _ = load_reasoner(tmp_path / "out")
-    if max(h["acc"] for h in report["history"][1:]) <= report["history"][0]["acc"]:
-        for k, v in start.state_dict().items():  # no check beat the start: it is what ships
-            torch.testing.assert_close(model.state_dict()[k], v)
+    load_reasoner(tmp_path / "out")
+    # with no check after step 0 nothing can beat the start: trained steps are not shipped
+    report = train_long(tmp_path / "kept", init=init, minutes=0.02, batch_size=2,
+                        eval_every=10**6, heldout=2, threads=1)
+    assert report["steps"] > 0 and [h["step"] for h in report["history"]] == [0]
+    model, _ = load_reasoner(tmp_path / "kept")
+    for k, v in start.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v)
     with pytest.raises(ValueError, match="lr_final"):
         train_long(tmp_path / "bad", init=init, minutes=0.01, lr=1e-3, lr_final=2e-3)
 
@@ -184,6 +189,16 @@ def test_lr_final_is_refused_for_the_short_recipe(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--lr-final", "1e-4", "--out", str(tmp_path)])
     assert "--lr-final is a --task long option" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--lr-final"])
+@pytest.mark.parametrize("value", ["0", "-1e-3"])
+def test_a_rate_that_is_not_positive_is_refused_by_name(tmp_path, capsys, flag, value):
+    # (a zero --lr used to fall back to the task's default rate without a word)
+    with pytest.raises(SystemExit):
+        main(["--task", "long", f"{flag}={value}", "--out", str(tmp_path)])
+    assert f"{flag} must be a positive rate" in capsys.readouterr().err
+    assert not (tmp_path / "training.json").exists()
 
 
 def test_cosine_decay_falls_from_one_to_its_floor():
