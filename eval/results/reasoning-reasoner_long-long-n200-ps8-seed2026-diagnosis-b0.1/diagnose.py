@@ -36,8 +36,9 @@ The shipped long reasoner, the long task's main section (seed 2026), 10% HBM, gr
     python eval/results/reasoning-reasoner_long-long-n200-ps8-seed2026-diagnosis-b0.1/diagnose.py
 
 (run from outside the repository root, or the top-level ``kernels/`` folder shadows the
-package's; about 20 minutes on 2 CPU cores; ``--parts`` runs some parts and keeps the others'
-results). Writes ``diagnosis.json`` and ``curve.png`` beside itself. Parts 1, 3 and 4 patch
+package's; 18 minutes on 2 CPU cores; ``--parts`` runs some parts and keeps the others'
+results, part 5 reading offload's bytes from part 2's). Writes ``diagnosis.json`` and
+``curve.png`` beside itself. Parts 1, 1b, 3, 4 and 6 patch
 :meth:`tierattn.attention.Attention.decode` in this process only: their extra passes over the
 cold pages are diagnostics and their bytes are not topk's; part 5 replaces
 ``SketchTopK.budget`` the same way.
@@ -50,11 +51,13 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from tierattn.attention import Attention
 from tierattn.importance import project_keys
+from tierattn.kernels import merge_states
 from tierattn.kernels.sketch import quantize_keys, unpack_keys
 from tierattn.policy import SketchTopK
 from tierattn.eval import reasoning as R
@@ -157,15 +160,6 @@ def key_sketch(att, layer: int):
     return estimate
 
 
-def merge(parts):
-    """Merge partial states ``(out [B, H_q, D], lse [B, H_q])`` by their LSEs."""
-    o, lse = torch.stack([x[0] for x in parts]), torch.stack([x[1] for x in parts])
-    m = torch.logsumexp(lse, 0)
-    w = torch.exp(lse - m).nan_to_num(0.0)
-    o = torch.where(w[..., None] > 0, o, torch.zeros_like(o))
-    return (o * w[..., None]).sum(0), m
-
-
 class Probe:
     """Wraps :meth:`Attention.decode` on topk's decode steps: runs it as shipped, then reads
     every cold page once more (diagnostic) to measure (``mode="mass"``) or to add a tail
@@ -177,6 +171,12 @@ class Probe:
         # the tail's estimates of the unrecalled keys / values: None (exact) or
         # ``f(att, layer) -> estimate(x, valid)``
         self.keys = self.values = None
+
+    def take_means(self) -> dict[str, float]:
+        """The mass statistics gathered since the last call, averaged; then cleared."""
+        means = {k: sum(v) / len(v) for k, v in sorted(self.stats.items())}
+        self.stats.clear()
+        return means
 
     def install(self):
         probe = self
@@ -199,7 +199,7 @@ class Probe:
             if pool.data_ptr() == hot_ptr:
                 seen["hot"] = torch.nan_to_num(kw["lse"].clone(), neginf=0.0)
             else:
-                dt = type("T", (), {"table": table, "first_lane": kw.get("first_lane")})
+                dt = SimpleNamespace(table=table, first_lane=kw.get("first_lane"))
                 seen["sel"] = page_terms(q1, pool, dt, scale, seen["hot"], **est)
             return res
         att.kernels.sparse_decode = spy
@@ -227,7 +227,8 @@ class Probe:
             tail = total(self.mode) / mass.clamp(min=1e-30)[..., None]
         tail_lse = torch.where(mass > 0, mass.clamp(min=1e-30).log() + ref,
                                torch.full_like(mass, NEG))
-        return merge([(out, lse), (tail.float(), tail_lse.float())])
+        return merge_states(torch.stack([out, tail.float()]),
+                            torch.stack([lse, tail_lse.float()]), backend="torch")
 
     def measure(self, att, layer, ref, cold, sel, k):
         """Shares of the cold mass held by the recalled pages, the oracle shared selection and
@@ -292,6 +293,35 @@ def spread(model, vocab, examples) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in sorted(acc.items())}
 
 
+class Reader:
+    """A shipped reasoner on ``n`` items of its task's main section (seed 2026), its cells
+    planned as the study plans them (8-token pages) at ``hbm``."""
+
+    def __init__(self, path: Path, task: str, n: int, hbm: float):
+        self.model, self.vocab = load_reasoner(path)
+        cfg = R.tasks(self.vocab, task)["main"]
+        self.examples = make_examples(cfg, n, seed=2026)
+        self.steps = cfg.hop_range[1] + 4
+        longest = max(len(e.prompt) for e in self.examples)
+        self.max_context = -(-(longest + self.steps + 8) // 8) * 8
+        self.shortest = min(len(e.prompt) for e in self.examples)
+        self.hbm = hbm
+
+    def run(self, method: str, name: str | None = None, **plan) -> dict:
+        """The run of ``method`` (``plan``: :func:`plan_cell`'s options, ``recall``)."""
+        if method == "full":
+            return {"method": "full", "config": None}
+        config = plan_cell(method, self.hbm, prompt_tokens=self.shortest,
+                           max_context=self.max_context, **plan).config
+        return {"method": name or method, "config": config, "hbm": self.hbm}
+
+    def evaluate(self, runs: list[dict], n: int) -> list[dict]:
+        """Greedy rows of ``runs`` on the first ``n`` items."""
+        return R.evaluate_items(self.model, R._pointer_items(self.examples[:n]), runs,
+                                steps=self.steps, eos_id=EOS, pad_id=PAD,
+                                teacher_forcing=False)
+
+
 #: part 4's tails: (name, keys estimate, values estimate); None: exact
 SKETCHED = (("keys 8-bit", lambda att, layer: quantized(8), None),
             ("keys 6-bit", lambda att, layer: quantized(6), None),
@@ -334,24 +364,13 @@ def main():
                     help="which parts to run; the others keep their results in diagnosis.json")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    model, vocab = load_reasoner(SHIPPED_LONG)
-    cfg = R.tasks(vocab, "long")["main"]
-    examples = make_examples(cfg, args.items, seed=2026)
-    steps = cfg.hop_range[1] + 4
-    max_context = -(-(max(len(e.prompt) for e in examples) + steps + 8) // 8) * 8
-    shortest = min(len(e.prompt) for e in examples)
+    long = Reader(SHIPPED_LONG, "long", args.items, args.hbm)
 
-    def topk(recall):
-        return plan_cell("topk", args.hbm, prompt_tokens=shortest, max_context=max_context,
-                         recall=recall).config
-
-    def evaluate(runs, n):
-        return R.evaluate_items(model, R._pointer_items(examples[:n]), runs, steps=steps,
-                                eos_id=EOS, pad_id=PAD, teacher_forcing=False)
+    def topk(recall, name=None):
+        return long.run("topk", name, recall=recall)
 
     def tail_run(n, name):
-        run = {"method": f"topk-r0.25+tail-{name}", "config": topk(0.25), "hbm": args.hbm}
-        return evaluate([run], n)[-1]["accuracy"]
+        return long.evaluate([topk(0.25, f"topk-r0.25+tail-{name}")], n)[-1]["accuracy"]
     out = HERE / "diagnosis.json"
     result = json.loads(out.read_text()) if out.exists() else {}
     result.update({"model": str(SHIPPED_LONG.name), "task": "long", "seed": 2026,
@@ -361,33 +380,28 @@ def main():
     t0 = time.time()
     if "spread" in parts:
         result["spread"] = {"items": args.spread_items,
-                            **spread(model, vocab, examples[:args.spread_items])}
+                            **spread(long.model, long.vocab, long.examples[:args.spread_items])}
         print(json.dumps(result["spread"], indent=1), flush=True)
     if "mass" in parts:
         probe.mode = "mass"
-        evaluate([{"method": "topk", "config": topk(0.25), "hbm": args.hbm}], args.mass_items)
-        result["mass"] = {"items": args.mass_items,
-                          **{k: sum(v) / len(v) for k, v in sorted(probe.stats.items())}}
+        probe.take_means()
+        long.evaluate([topk(0.25)], args.mass_items)
+        result["mass"] = {"items": args.mass_items, **probe.take_means()}
         print(json.dumps(result["mass"], indent=1), f"{time.time() - t0:.0f}s", flush=True)
     if "mass-recalls" in parts:
         result["mass_by_recall"] = {}
         for r in map(float, args.mass_recalls.split(",")):
             probe.mode = "mass"
-            probe.stats.clear()
-            evaluate([{"method": "topk", "config": topk(r), "hbm": args.hbm}], args.mass_items)
-            result["mass_by_recall"][f"{r:g}"] = {
-                "items": args.mass_items,
-                **{k: sum(v) / len(v) for k, v in sorted(probe.stats.items())}}
+            probe.take_means()
+            long.evaluate([topk(r)], args.mass_items)
+            result["mass_by_recall"][f"{r:g}"] = {"items": args.mass_items,
+                                                  **probe.take_means()}
             print(r, json.dumps(result["mass_by_recall"][f"{r:g}"], indent=1), flush=True)
     if "curve" in parts:
         probe.mode = None
-        runs = [{"method": "full", "config": None},
-                {"method": "offload", "config": plan_cell(
-                    "offload", args.hbm, prompt_tokens=shortest,
-                    max_context=max_context).config, "hbm": args.hbm}]
-        runs += [{"method": f"topk-r{r:g}", "config": topk(r), "hbm": args.hbm}
-                 for r in map(float, args.recalls.split(","))]
-        rows = evaluate(runs, args.items)
+        runs = [long.run("full"), long.run("offload")]
+        runs += [topk(r, f"topk-r{r:g}") for r in map(float, args.recalls.split(","))]
+        rows = long.evaluate(runs, args.items)
         offload = next(r["h2d_bytes_per_token"] for r in rows if r["method"] == "offload")
         result["curve"] = {"items": args.items, "rows": [
             {"method": r["method"], "accuracy": r["accuracy"],
@@ -402,9 +416,7 @@ def main():
             print(result["tails"]["rows"][-1], f"{time.time() - t0:.0f}s", flush=True)
     if "sketched" in parts:
         probe.mode = None  # the references on the same items: full cache, topk as shipped
-        ref = evaluate([{"method": "full", "config": None},
-                        {"method": "topk", "config": topk(0.25), "hbm": args.hbm}],
-                       args.sketched_items)
+        ref = long.evaluate([long.run("full"), topk(0.25)], args.sketched_items)
         result["sketched"] = {"items": args.sketched_items, "rows": [
             {"tail": f"({r['method']})", "accuracy": r["accuracy"]} for r in ref]}
         probe.mode = "exact"
@@ -422,31 +434,24 @@ def main():
         for spec in args.splits.split(","):
             split.shares = [float(x) for x in spec.split("/")]
             # the staging buffers are sized by the config's share: the largest layer's
-            row = evaluate([{"method": f"topk-split-{spec}", "config": topk(max(split.shares)),
-                             "hbm": args.hbm}], args.items)[-1]
+            row = long.evaluate([topk(max(split.shares), f"topk-split-{spec}")],
+                                args.items)[-1]
             result["split"]["rows"].append({
                 "shares": split.shares, "accuracy": row["accuracy"],
                 "bytes_vs_offload": row["h2d_bytes_per_token"] / offload})
             print(result["split"]["rows"][-1], f"{time.time() - t0:.0f}s", flush=True)
         split.shares = None
-    if "short" in parts:  # parts 0 and 1 on the short reasoner and its own task; the
-        # closures above (topk, evaluate) read these names from here on
-        model, vocab = load_reasoner(SHIPPED)
-        cfg = R.tasks(vocab)["main"]
-        examples = make_examples(cfg, args.short_items, seed=2026)
-        steps = cfg.hop_range[1] + 4
-        max_context = -(-(max(len(e.prompt) for e in examples) + steps + 8) // 8) * 8
-        shortest = min(len(e.prompt) for e in examples)
+    if "short" in parts:  # parts 0 and 1 on the short reasoner and its own task
+        short = Reader(SHIPPED, "short", args.short_items, args.hbm)
         probe.mode = "mass"
-        probe.stats.clear()
-        rows = evaluate([{"method": "full", "config": None},
-                         {"method": "topk", "config": topk(0.25), "hbm": args.hbm}],
-                        args.short_items)
+        probe.take_means()
+        rows = short.evaluate([short.run("full"), short.run("topk", recall=0.25)],
+                              args.short_items)
         result["short"] = {
             "model": SHIPPED.name, "items": args.short_items,
             "accuracy": {r["method"]: r["accuracy"] for r in rows},
-            "mass": {k: sum(v) / len(v) for k, v in sorted(probe.stats.items())},
-            "spread": spread(model, vocab, examples[:args.spread_items])}
+            "mass": probe.take_means(),
+            "spread": spread(short.model, short.vocab, short.examples[:args.spread_items])}
         print(json.dumps(result["short"], indent=1), f"{time.time() - t0:.0f}s", flush=True)
     probe.mode = None
     out.write_text(json.dumps(result, indent=1))
