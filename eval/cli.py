@@ -32,9 +32,9 @@ from pathlib import Path
 #: --help imports no torch)
 SERVING_POLICIES = ("hf-recompute", "swap-ddr", "swap-ddr+disk", "auto-ddr", "auto-ddr+disk")
 #: the eval's methods (tierattn.eval.methods.METHODS, listed here so --help imports no torch)
-METHOD_NAMES = ("full", "offload", "topk", "topk-max", "topk-quest", "evict-h2o",
-                "evict-snapkv", "evict-snapkv-decode", "evict-rkv", "evict-streaming",
-                "evict-random", "oracle")
+METHOD_NAMES = ("full", "offload", "split", "topk", "adaptive", "topk-max", "topk-quest",
+                "evict-h2o", "evict-snapkv", "evict-snapkv-decode", "evict-rkv",
+                "evict-streaming", "evict-random", "oracle")
 
 
 class UsageError(Exception):
@@ -287,6 +287,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             spec = dataclasses.replace(spec, pages=args.pages)
         print(disk_summary(run_disk_bench(spec, folder=args.folder, out_root=args.out_root)))
         return 0
+    if args.host_attn:
+        from tierattn.eval.hostattn_bench import (HostAttnSpec, hostattn_summary,
+                                                  load_profiles, run_hostattn_bench)
+
+        changes = {k: v for k, v in (("contexts", args.contexts), ("hot_budgets", args.budgets),
+                                     ("threads", args.threads), ("seed", args.seed))
+                   if v is not None}
+        spec = HostAttnSpec.smoke(**changes) if args.smoke else HostAttnSpec(**changes)
+        hardware = tuple(args.hardware or ())
+        try:  # a profile without the host's bandwidth is refused before minutes of measuring
+            load_profiles(spec.hardware, hardware)
+        except ValueError as e:
+            raise UsageError(f"--hardware: {e}") from None
+        print(hostattn_summary(run_hostattn_bench(spec, out_root=args.out_root,
+                                                  hardware_files=hardware)))
+        return 0
     if args.host:
         from tierattn.eval.bench import host_summary, run_host_bench
 
@@ -526,6 +542,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only the host-cost rows: the runtime's own work per layer and "
                             "decode step with kernels stubbed (dense, offload 50%%, topk at "
                             "4K/32K, batch 1/8; --smoke: 4K, batch 1), written to host.csv")
+    bench.add_argument("--host-attn", action="store_true",
+                       help="the host attention kernel (split attention's CPU side) against a "
+                            "plain read of the same pages with the same threads, and torch's "
+                            "sdpa, at 4K-128K tokens, batch 1-8, bf16/fp32, Llama-8B and "
+                            "SmolLM2-135M heads; then the per-layer GPU decode step modeled on "
+                            "--hardware profiles (default h100): offload vs topk vs split "
+                            "(--smoke: 4K/16K, batch 1/2, one repeat; --contexts, --budgets "
+                            "(the modeled hot budgets, default 0.1,0.25), --threads, --seed)")
     bench.add_argument("--disk", action="store_true",
                        help="the disk tier against the raw sequential bandwidth of the same "
                             "folder: write, cold read and mixed spill/recall at 1K-64K pages of "
@@ -638,10 +662,24 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--q-heads {args.q_heads} must be a multiple of --kv-heads "
                          f"{args.kv_heads} (each KV head serves a group of query heads)")
     if args.command == "bench":
-        modes = [f for f in ("disk", "host", "serving", "vllm") if getattr(args, f)]
+        modes = [f.replace("_", "-") for f in ("disk", "host", "host_attn", "serving", "vllm")
+                 if getattr(args, f)]
         if len(modes) > 1:
             raise UsageError(f"--{modes[0]} and --{modes[1]} are separate benchmarks; run them "
                              "one at a time")
+        if args.host_attn:
+            stray = [f for f, v in (("--modes", args.modes), ("--layers", args.layers),
+                                    ("--steps", args.steps), ("--batch", args.batch),
+                                    ("--recall", args.recall), ("--query-rho", args.query_rho),
+                                    ("--device", args.device),
+                                    ("--no-host-cost", args.no_host_cost or None))
+                     if v is not None]
+            if stray:
+                raise UsageError(f"{stray[0]} does not apply to --host-attn (it takes "
+                                 "--contexts, --budgets, --hardware, --threads, --seed); drop it")
+            if args.budgets and max(args.budgets) >= 1.0:
+                raise UsageError(f"--budgets {max(args.budgets)}: --host-attn models hot "
+                                 "budgets below 1 (a budget of 1 leaves nothing cold)")
         stray = [f for f, v in (("--folder", args.folder), ("--pages", args.pages))
                  if v is not None and not args.disk]
         if stray:

@@ -204,6 +204,11 @@ def stub_kernels() -> KernelSet:
     def merge_page_mass(o, lse, page_lse, mass, *, out=None, out_lse=None, **_):
         return merge_states(o, lse, out=out, out_lse=out_lse)
 
+    def host_decode(q, kv_pool, page_table, *, out=None, lse=None, page_lse=None, **_):
+        b, hq, d = q.shape
+        return DecodeOutput(out if out is not None else torch.zeros(b, hq, d),
+                            lse if lse is not None else torch.zeros(b, hq), None, page_lse)
+
     def per_entry(table, heads, device):
         return torch.zeros(table.indices.numel(), heads, device=device)
 
@@ -230,7 +235,8 @@ def stub_kernels() -> KernelSet:
         sketch_score=lambda q, codes, kmin, kmax, table, **_: per_entry(table, kmin.shape[1],
                                                                         q.device),
         select_pages=select_pages,
-        copy_pages=lambda *a, **k: None)
+        copy_pages=lambda *a, **k: None,
+        host_decode=host_decode)
 
 
 class MetaEngine(CPUTransferEngine):

@@ -19,6 +19,13 @@ holds a partial page over its share; a cell whose must-hot pages do not fit in i
                    dim: ``KEY_TIERS``), fetched from DDR into staging
 ``topk-max``       the same ranked by the sketch's largest logit per page (the needle finder)
 ``topk-quest``     the same with Quest's bound instead of the sketch (the key range only)
+``split``          ``hbm`` hot, the cold pages attended where they live, on the host CPU, their
+                   partial state merged with the hot set's (``attend="split"``): exact; the
+                   link carries the query and the partial state
+``adaptive``       ``topk``'s budget and key tier, each layer choosing every 16 steps between
+                   ``topk``'s recall (where the sketch says the recalled pages hold 90% of its
+                   cold mass) and the cheaper exact way, split or all, by the cost model of a
+                   modeled server (``SERVER``: PCIe and DDR rates, not this machine's)
 ``evict-h2o``      ``hbm`` kept, the rest dropped by accumulated attention (H2O)
 ``evict-snapkv``   ``hbm`` kept, dropped once after prefill by the prompt's last queries (SnapKV)
 ``evict-snapkv-decode``  the same, re-scored by the last decode queries as the trace grows
@@ -74,18 +81,28 @@ from dataclasses import dataclass
 
 from tierattn.config import TierConfig, TierSpec
 
-__all__ = ["KEY_TIERS", "METHODS", "PAGE_SIZE", "RECALL", "TOPK", "SINK_PAGES", "RECENT_PAGES",
+__all__ = ["KEY_TIERS", "METHODS", "PAGE_SIZE", "RECALL", "SERVER", "TOPK", "SINK_PAGES",
+           "RECENT_PAGES",
            "Cell",
            "evict_ratio", "grid_config", "key_tier_fraction", "method_config", "plan_cell",
            "sketch_bits", "sketch_rank"]
 
-METHODS = ("full", "offload", "topk", "topk-max", "topk-quest", "evict-h2o", "evict-snapkv",
-           "evict-snapkv-decode", "evict-rkv", "evict-streaming", "evict-random", "oracle")
+METHODS = ("full", "offload", "split", "topk", "adaptive", "topk-max", "topk-quest", "evict-h2o",
+           "evict-snapkv", "evict-snapkv-decode", "evict-rkv", "evict-streaming", "evict-random",
+           "oracle")
 
 #: the recall methods: the same budget and recall, ranked three ways
 TOPK = ("topk", "topk-max", "topk-quest")
 #: the recall methods that rank by the key sketch (the others by Quest's key range)
-SKETCH_METHODS = ("topk", "topk-max")
+SKETCH_METHODS = ("topk", "topk-max", "adaptive")
+#: the machine ``adaptive`` chooses for (modeled, not measured): a PCIe Gen5 x16 link
+#: (``eval/hardware/h100.json``'s host-to-device rate) and a server socket's DDR5 read at 75%
+#: by the host attention kernel, by bytes alone -- no fixed latencies: the reasoners' KV is
+#: 256 bytes per token and layer (a Llama-8B layer's is 4 KiB), so at their size a recall's
+#: and a round trip's fixed costs would decide every choice, which says nothing of a model at
+#: scale; on this 2-core machine the host itself attends at ~10 GB/s
+SERVER = {"link_bandwidth": 55e9, "host_bandwidth": 0.75 * 150e9, "link_latency": 0.0,
+          "host_latency": 0.0}
 #: tokens per page of the eval (see the module docstring)
 PAGE_SIZE = 8
 #: pages top-k recalls per step, as a fraction of the cold tokens (``recall_scope="cold"``:
@@ -175,15 +192,17 @@ def method_config(method: str, hbm: float, *, page_size: int = PAGE_SIZE, max_co
               "recent_pages": RECENT_PAGES, "budget_rounding": "down"}
     if method == "full":
         return None
-    if method == "offload":
-        return TierConfig.preset("offload", hot_budget=hbm, **common)
-    if method in TOPK:
+    if method in ("offload", "split"):
+        return TierConfig.preset(method, hot_budget=hbm, **common)
+    if method in (*TOPK, "adaptive"):
         score = "sketch" if method in SKETCH_METHODS else "quest"
         reduce = "max" if method == "topk-max" else "lse"
-        cfg = TierConfig.preset("topk", recall_budget=recall, recall_scope="cold",
+        extra = SERVER if method == "adaptive" else {}
+        cfg = TierConfig.preset("adaptive" if method == "adaptive" else "topk",
+                                recall_budget=recall, recall_scope="cold",
                                 recall_score=score, sketch_reduce=reduce, key_bits=key_bits,
                                 key_rank=key_rank, prefetch="none",
-                                **{**common, "sink_pages": 0})
+                                **{**common, "sink_pages": 0}, **extra)
         resident = round(hbm - key_tier_fraction(cfg), 6)
         if resident <= 0:
             raise ValueError(f"{method}: its key tier ({key_tier_fraction(cfg):.3f} of the KV "
@@ -244,7 +263,8 @@ def _plan(method: str, hbm: float, key_bits: int, key_rank: float, *, prompt_tok
 
 def evict_ratio(method: str, hbm: float) -> float:
     """The fraction of each sequence ``method`` drops for good at HBM ratio ``hbm``."""
-    return 0.0 if method in ("full", "offload", *TOPK) else round(1.0 - hbm, 6)
+    return 0.0 if method in ("full", "offload", "split", "adaptive", *TOPK) else \
+        round(1.0 - hbm, 6)
 
 
 def grid_config(hbm: float, evict: float, *, page_size: int = PAGE_SIZE, max_context: int = 4096,

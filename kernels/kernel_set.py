@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from .decode import decode_page_mass, merge_page_mass, sparse_decode
+from .host import host_decode
 from .merge import merge_states
 from .metadata import page_metadata
 from .page_copy import copy_pages
@@ -38,6 +39,7 @@ class KernelSet:
     sketch_score: Callable = sketch_score
     select_pages: Callable = select_pages
     copy_pages: Callable = copy_pages
+    host_decode: Callable = host_decode
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

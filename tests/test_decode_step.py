@@ -38,6 +38,10 @@ CONFIGS = {
     "topk-quest": TierConfig.preset("topk", recall_score="quest"),
     "topk-2bit": TierConfig.preset("topk", key_bits=2),
     "topk-max": TierConfig.preset("topk", sketch_reduce="max"),
+    # attend="auto" with every layer recalling (a fast link, a slow host, any concentration
+    # enough): the choice reads its estimate through the engine's to_host, a step later
+    "adaptive-recall": TierConfig.preset("adaptive", link_bandwidth=1e12, host_bandwidth=1e3,
+                                         adapt_mass=0.0, adapt_every=4),
     "evict-h2o": TierConfig.preset("evict-h2o"),
     "evict-snapkv": TierConfig.preset("evict-snapkv"),
     "evict-streaming": TierConfig.preset("evict-streaming"),
@@ -125,7 +129,13 @@ def test_decode_steps_read_nothing_back(name, shape, tmp_path):
         assert 0 < sync <= steps * L
     else:
         assert sync == 0
-    assert cache.engine.to_host_calls - before <= 4 * len(snapshots) + spills + notes + sync
+    # attend="auto": one estimate per layer every adapt_every steps
+    estimates = steps // cache.config.adapt_every * L if cache.config.attend == "auto" else 0
+    assert cache.engine.to_host_calls - before <= 4 * len(snapshots) + spills + notes + sync + \
+        estimates
+    if cache.config.attend == "auto":
+        assert cache.planner.modes == ["recall"] * L
+        assert all(c.recall_steps > 0 and c.split_steps == 0 for c in tel)
     assert all(c.decode_steps == steps for c in tel)
     if disk:
         assert disk[0].num_used(0) > 0

@@ -69,7 +69,7 @@ def test_method_configs_hold_equal_hbm_bytes():
         cfg = method_config(m, 0.5)
         if m == "full":
             assert cfg is None
-        elif m.startswith("topk"):  # resident pages + key tier = the budget
+        elif m.startswith("topk") or m == "adaptive":  # resident pages + key tier = the budget
             assert cfg.hot_budget + key_tier_fraction(cfg) == pytest.approx(0.5)
             assert cfg.recall_score == ("quest" if m == "topk-quest" else "sketch")
             assert cfg.sketch_reduce == ("max" if m == "topk-max" else "lse")
@@ -79,8 +79,9 @@ def test_method_configs_hold_equal_hbm_bytes():
         elif m.startswith("evict"):
             assert (cfg.hot_budget, cfg.evict_budget) == (0.5, 0.5) and len(cfg.tiers) == 1
             assert cfg.budget_rounding == "down" and key_tier_fraction(cfg) == 0
-        else:
-            assert cfg.hot_budget == 0.5 and cfg.evict_budget == 0 and cfg.attend == "all"
+        else:  # offload and split: exact, no key tier
+            assert cfg.hot_budget == 0.5 and cfg.evict_budget == 0
+            assert cfg.attend == {"offload": "all", "split": "split"}[m]
             assert key_tier_fraction(cfg) == 0  # offload keeps no key range
     # the key sketch: 4-bit codes of 3/8 of the channels, 1.5 of the 32 bits of a key and
     # value channel; every channel at 4 bits: 4 of 32; Quest's range: 2 rows/page
@@ -220,13 +221,18 @@ def test_reasoning_eval_end_to_end(reasoner, tmp_path):
             assert c["reason"]
             continue
         assert 0 <= c["ci_low"] <= c["accuracy"] <= c["ci_high"] <= 1
-        if c["method"] in ("full", "offload") or (c["section"] == "grid" and c["evict"] == 0):
+        if c["method"] in ("full", "offload", "split") or \
+                (c["section"] == "grid" and c["evict"] == 0):
             assert c["greedy_match"] == 1.0 and c["kl_max"] < 1e-5, c  # exact
             assert c["evicted_fraction"] == 0
+        if c["method"] == "split" and c["section"] == "main":  # no page crossed the link
+            off = next(o for o in cells if o["method"] == "offload" and o["section"] == "main")
+            assert c["h2d_bytes_per_token"] < 0.1 * off["h2d_bytes_per_token"], (c, off)
         if c["method"].startswith("evict") or c["method"] == "oracle":
             assert c["evicted_fraction"] > 0.2 and c["h2d_bytes_per_token"] == 0
         # the sketch's width is recorded; at 50% HBM the 4-bit tier fits
-        assert c["key_bits"] == (4 if c["method"] in ("topk", "topk-max") else None), c
+        assert c["key_bits"] == (4 if c["method"] in ("topk", "topk-max", "adaptive")
+                                 else None), c
     with (out / "cells.csv").open() as f:
         assert len(list(csv.DictReader(f))) == len(cells)
     for name in ("accuracy_vs_hbm.png", "hbm_x_evict_heatmap.png", "bytes_vs_accuracy.png"):

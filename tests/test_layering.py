@@ -2,7 +2,8 @@
 imports included, and no cycle anywhere.
 
     errors -> config -> kernels -> tiers/transfer (segment, kvfile, telemetry, costmodel) ->
-    pagemap/validate -> mover/staging -> prefetch/swapcore -> importance/policy -> attention/graphs ->
+    pagemap/validate -> mover/staging -> prefetch/hostattn/swapcore ->
+    importance/policy/planner -> attention/graphs ->
     snapshot -> cache -> models -> eval
 
 A module may import modules of its own layer or below; an import of a higher layer, at load
@@ -29,8 +30,8 @@ LAYERS = [
      "tierattn.tiers", "tierattn.transfer"],
     ["tierattn.pagemap", "tierattn.validate"],
     ["tierattn.mover", "tierattn.staging"],
-    ["tierattn.prefetch", "tierattn.swapcore"],
-    ["tierattn.importance", "tierattn.policy"],
+    ["tierattn.prefetch", "tierattn.hostattn", "tierattn.swapcore"],
+    ["tierattn.importance", "tierattn.policy", "tierattn.planner"],
     ["tierattn.attention", "tierattn.graphs"],
     ["tierattn.snapshot"],
     ["tierattn.cache"],

@@ -2,11 +2,14 @@
 
 A decode token's K/V is written by device-side write positions (:meth:`Attention.write_token`);
 a prompt chunk by one indexed write (:meth:`Attention.write_chunk`). Attention runs a kernel over
-the hot table and one over each staged batch of cold pages (:meth:`Attention.decode`,
-:meth:`Attention.prefill`), each writing its partial state into preallocated buffers; a decode
-step's kernels also scatter every page's LSE into one per-page buffer, and one kernel merges the
-partial states and adds the page mass. :meth:`Attention.graph_step` is that same decode work as
-a CUDA graph captures it, and :meth:`Attention.graph_key` the host values the capture bakes in.
+the hot table and, for the cold pages, the way the :class:`~tierattn.planner.AttendPlanner` gives
+the layer: a kernel over each staged batch of cold pages (all of them, or the recalled ones), or
+the host's partial state over them where they live (:class:`~tierattn.hostattn.HostAttention`);
+each writes its partial state into preallocated buffers (:meth:`Attention.decode`,
+:meth:`Attention.prefill`). A decode step's kernels also scatter every page's LSE into one
+per-page buffer, and one kernel merges the partial states and adds the page mass.
+:meth:`Attention.graph_step` is that same decode work as a CUDA graph captures it, and
+:meth:`Attention.graph_key` the host values the capture bakes in.
 The facade (:mod:`tierattn.cache`) decides when each runs; the structural work is not here.
 """
 
@@ -16,10 +19,12 @@ import math
 
 import torch
 
+from tierattn.hostattn import HostAttention
 from tierattn.importance import Importance
-from tierattn.kernels import KernelSet
+from tierattn.kernels import KernelSet, PrefillOutput
 from tierattn.mover import Mover
 from tierattn.pagemap import LayerTables, PageMap
+from tierattn.planner import AttendPlanner
 from tierattn.policy import Budgets, Policies
 from tierattn.prefetch import Prefetcher
 from tierattn.telemetry import Telemetry
@@ -33,6 +38,8 @@ class Attention:
 
     Args:
         pages, tiers, importance, prefetcher, policies, budgets, mover: the cache's parts.
+        planner: how each layer attends its cold pages; host: the host side of split
+            attention (None when no layer splits).
         kernels, telemetry: kernel entry points and counters.
         num_kv_heads, head_dim, dtype, device, backend: the cache's geometry and kernels'
             backend.
@@ -40,9 +47,11 @@ class Attention:
 
     def __init__(self, *, pages: PageMap, tiers: list[Tier], importance: Importance,
                  prefetcher: Prefetcher, policies: Policies, budgets: Budgets, mover: Mover,
-                 kernels: KernelSet, telemetry: Telemetry, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, backend: str) -> None:
+                 planner: AttendPlanner, host: HostAttention | None, kernels: KernelSet,
+                 telemetry: Telemetry, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, backend: str) -> None:
         self.pages, self.tiers, self.importance = pages, tiers, importance
+        self.planner, self.host = planner, host
         self.prefetcher, self.policies, self.budgets, self.mover = prefetcher, policies, \
             budgets, mover
         self.kernels, self.telemetry = kernels, telemetry
@@ -99,14 +108,18 @@ class Attention:
 
     def decode(self, layer: int, qd: torch.Tensor, tabs: LayerTables, buffer: int,
                 common: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """One query token per sequence: the hot set, then each staged batch of cold pages,
-        each kernel writing its partial state into a preallocated buffer and its pages' LSE
-        into the per-page buffer; then one kernel merges them and adds the page mass."""
+        """One query token per sequence: the hot set, then the cold pages the layer's way
+        (:meth:`mode`): each staged batch of them, the recalled ones, or the host's partial
+        state over them; each partial state goes into a preallocated buffer (and each kernel's
+        pages' LSE into the per-page buffer); then one kernel merges them and adds the page
+        mass."""
         ks, tel, q1 = self.kernels, self.telemetry.layers[layer], qd[:, :, 0]
         want_mass = self.budgets.wants_mass()
         page_lse = self.importance.decode_buffer(q1.shape[1]) if want_mass else None
-        exact = self.policies.recall.exact
-        batches = len(self.pages.cold_batches(layer, self.tiers)) if exact else 1
+        mode = self.mode(layer, tabs, q1) if tabs.cold_pages else "all"
+        if mode == "split":  # the query leaves before the hot-set kernel is queued
+            self.host.send_query(q1)
+        batches = len(self.pages.cold_batches(layer, self.tiers)) if mode == "all" else 1
         parts_o, parts_lse, merged = self._decode_buffers(q1.shape[1], batches + 1)
         n = 0
 
@@ -119,17 +132,27 @@ class Attention:
             n += 1
 
         run(self.hbm.pool(layer), tabs.hot, self._window_lanes(layer, tabs))
-        recall = self.policies.recall
-        if exact:
-            cold = self.prefetcher.attend_cold(layer, tabs, buffer, run)
+        recall, planner = self.policies.recall, self.planner
+        scores = None
+        if mode == "split":
+            self.host.decode(layer, parts_o[n], parts_lse[n], sm_scale=common["sm_scale"],
+                             softcap=common["softcap"], page_lse=page_lse)
+            n += 1
+            planner.observe_split(*self.host.last)
+        elif mode == "all":
+            for _ in self.prefetcher.attend_cold(layer, tabs, buffer, run):
+                pass
         else:
             k = recall.budget(layer) if tabs.cold_pages else 0
-            scores = recall.scores(layer, q1, tabs, sm_scale=common["sm_scale"],
-                                   softcap=common["softcap"]) if k else None
-            cold = self.prefetcher.attend_cold(layer, tabs, buffer, run, scores=scores, k=k,
-                                               recall=True, reduce=recall.reduce)
-        for _ in cold:
-            pass
+            scores = self._scores(layer, q1, tabs, common) if k else None
+            for _ in self.prefetcher.attend_cold(layer, tabs, buffer, run, scores=scores, k=k,
+                                                 recall=True, reduce=recall.reduce):
+                pass
+            tel.recall_steps += bool(k)
+        if tabs.cold_pages and planner.due(layer):  # the next choice's estimate
+            if scores is None:
+                scores = self._scores(layer, q1, tabs, common)
+            planner.estimate(layer, scores, recall.budget(layer))
         tel.kernel_launches += n
         if want_mass:  # merge and page mass in one launch
             return self.importance.merge_decode(layer, parts_o[:n], parts_lse[:n], *merged)
@@ -138,6 +161,31 @@ class Attention:
         tel.kernel_launches += 1
         return ks.merge_states(parts_o[:n], parts_lse[:n], out=merged[0], out_lse=merged[1],
                                backend=self.backend)
+
+    def mode(self, layer: int, tabs: LayerTables, q1: torch.Tensor) -> str:
+        """How ``layer`` attends its cold pages this decode step (the planner's choice, from
+        what each way would move and scan)."""
+        planner = self.planner
+        if not planner.auto:
+            return planner.mode(layer)
+        b, hq, d = q1.shape
+        alive = int(self.pages.alive.sum())
+        return planner.begin_decode(
+            layer, cold_bytes=self.host.cold_bytes(layer),
+            recall_bytes=self.policies.recall.budget(layer) * alive * self.hbm.page_bytes,
+            link_bytes=q1.numel() * q1.element_size() + b * hq * (d + 1) * 4)
+
+    def _scores(self, layer: int, q1: torch.Tensor, tabs: LayerTables, common: dict
+                ) -> torch.Tensor:
+        return self.policies.recall.scores(layer, q1, tabs, sm_scale=common["sm_scale"],
+                                           softcap=common["softcap"])
+
+    def estimate(self, layer: int, q1: torch.Tensor, tabs: LayerTables, common: dict) -> None:
+        """Start the estimate of how concentrated ``layer`` is for query ``q1 [B, H_q, D]``
+        (the end of a prompt chunk, ``attend="auto"``): its first decode step chooses by it."""
+        if self.planner.auto and tabs.cold_pages:
+            self.planner.estimate(layer, self._scores(layer, q1, tabs, common),
+                                  self.policies.recall.budget(layer))
 
     def _decode_buffers(self, num_q_heads: int, parts: int) -> tuple:
         """``[parts, B, H_q, D]`` outputs, ``[parts, B, H_q]`` LSEs and the merged pair, kept
@@ -186,7 +234,12 @@ class Attention:
             return ks.paged_prefill(qf, staging, table.table, qo, causal=False,
                                     first_lane=table.first_lane, **common)
 
-        parts += list(self.prefetcher.attend_cold(layer, tabs, buffer, cold_kernel))
+        on_host = self.host is not None and self.planner.config.attend == "split"
+        if on_host and tabs.cold_pages:  # split: the cold pages are attended on the host
+            parts += [PrefillOutput(o, lse_, None) for o, lse_ in self.host.prefill(
+                layer, qf, qo, sm_scale=common["sm_scale"], softcap=common["softcap"])]
+        else:
+            parts += list(self.prefetcher.attend_cold(layer, tabs, buffer, cold_kernel))
         tel.kernel_launches += len(parts)
         if len(parts) == 1:
             out, lse = parts[0].out, parts[0].lse
@@ -204,6 +257,12 @@ class Attention:
                       snap=want_snap)
             imp.add_prefill(layer, tabs.hot, pool, True, mass=want_mass and
                             parts[0].page_mass is None, **kw)
+            if on_host and tabs.cold_pages:
+                self.host.prefill_mass(
+                    layer, qd, lse, scale=common["sm_scale"], softcap=common["softcap"],
+                    mass=imp.mass[layer] if want_mass else None,
+                    snap=imp.snap[layer] if want_snap else None,
+                    snapkv_window=imp.snapkv_window)
             if len(staged) == 1:
                 imp.add_prefill(layer, staged[0][1], staged[0][0], False, mass=want_mass, **kw)
             elif staged:  # batches reused the buffer: stream the cold pages once more

@@ -42,11 +42,14 @@ from tierattn import snapshot, telemetry, validate
 from tierattn.attention import Attention
 from tierattn.config import TierConfig
 from tierattn.errors import KernelInputError, KVCapacityError, KVIOError, TierConfigError
+from tierattn.costmodel import AttendCosts
 from tierattn.graphs import DecodeGraphs
+from tierattn.hostattn import HostAttention, measure_rates
 from tierattn.importance import Importance
 from tierattn.kernels import KernelSet
 from tierattn.mover import Mover
 from tierattn.pagemap import HOT, NONE, LayerTables, PageMap
+from tierattn.planner import AttendPlanner
 from tierattn.policy import EVICTIONS, Budgets, build_policies
 from tierattn.prefetch import RING, Prefetcher
 from tierattn.telemetry import Telemetry
@@ -161,10 +164,26 @@ class TieredKVCache:
                                      pages=self.pages, mover=self.mover, engine=self.engine,
                                      telemetry=self.telemetry, disk_misses=config.disk_misses)
         self.budgets = Budgets(config, self.pages, self.policies, self.mover, len(self.tiers))
+        self.host = HostAttention(
+            pages=self.pages, tiers=self.tiers, telemetry=self.telemetry, kernels=self.kernels,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=self.device,
+            threads=config.host_threads) if config.attend in ("split", "auto") else None
+        costs = None
+        if config.attend == "auto":  # the rates not given are measured here, once
+            link, host = config.link_bandwidth, config.host_bandwidth
+            if link is None or host is None:
+                m_link, m_host = measure_rates(self.host, self.engine)
+                link, host = link or m_link, host or m_host
+            # rates given are a machine's description, kept; measured ones follow the steps
+            costs = AttendCosts(link, host, link_latency_s=config.link_latency,
+                                host_latency_s=config.host_latency,
+                                refit=config.host_bandwidth is None)
+        self.planner = AttendPlanner(config, self.pages, costs, self.hbm.page_bytes, self.engine)
         self.attention = Attention(
             pages=self.pages, tiers=self.tiers, importance=self.importance,
             prefetcher=self.prefetcher, policies=self.policies, budgets=self.budgets,
-            mover=self.mover, kernels=self.kernels, telemetry=self.telemetry,
+            mover=self.mover, planner=self.planner, host=self.host, kernels=self.kernels,
+            telemetry=self.telemetry,
             num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=self.device,
             backend=self.backend)
         self._filled: list[tuple | None] = [None] * num_layers  # page filled by the last token
@@ -336,6 +355,8 @@ class TieredKVCache:
             res = self.attention.finish(out, lse, sinks, q.dtype, (b, hq, t, d))
         tel.attend_calls += 1
         self._after(layer, decode, qd[:, :, 0] if decode else None)
+        if not decode and self.planner.auto:  # the first decode step chooses by this estimate
+            self.attention.estimate(layer, qd[:, :, -1], self._tables(layer), common)
         tel.host_time_s += time.perf_counter() - t0
         return res
 
@@ -377,13 +398,13 @@ class TieredKVCache:
         if self.config.prefetch == "none" or self.graphs is not None:
             return
         nxt = (layer + 1) % self.num_layers
-        exact = self.policies.recall.exact
-        if self.pages.length(nxt) == 0 or (nxt == 0 and not decode) or \
-                (not exact and not decode):
+        mode = self.planner.mode(nxt)
+        if mode == "split" or self.pages.length(nxt) == 0 or (nxt == 0 and not decode) or \
+                (self.config.recalls and not decode):
             return
         tabs = self._tables(nxt)
         if tabs.cold_pages:
-            self.prefetcher.start(nxt, tabs, recall=not exact)
+            self.prefetcher.start(nxt, tabs, recall=mode == "recall")
 
     # --- whole-cache operations ----------------------------------------------------------
 
@@ -424,6 +445,7 @@ class TieredKVCache:
         if self.graphs is not None:
             self.graphs.reset()
         self.mover.reorder(index)
+        self._forget_plans()
         rows = torch.tensor(index)
         self.importance.reorder(rows)
         self.policies.eviction.reorder(rows)
@@ -494,11 +516,19 @@ class TieredKVCache:
         self.pages.reset()
         self.importance.reset()
         self.budgets.reset()
+        self._forget_plans()
         self._filled = [None] * self.num_layers
         self._stash = [None] * self.num_layers
         self._deferred = [None] * self.num_layers
         if self.graphs is not None:
             self.graphs.reset()
+
+    def _forget_plans(self) -> None:
+        """The host's cached cold lists and the layers' chosen ways describe pages that moved
+        (a reorder, a load, a reset): forget them."""
+        if self.host is not None:
+            self.host.reset()
+        self.planner.reset()
 
     def close(self) -> None:
         """Let the reads in flight finish, delete the disk tiers' segment files and stop their

@@ -21,7 +21,7 @@ from tierattn.errors import TierConfigError
 
 __all__ = ["PRESETS", "TierConfig", "TierSpec", "parse_tiers"]
 
-Attend = Literal["all", "topk"]
+Attend = Literal["all", "topk", "split", "auto"]
 Score = Literal["mass", "quest", "hybrid"]
 RecallScore = Literal["sketch", "quest"]
 SketchReduce = Literal["max", "lse"]
@@ -150,7 +150,14 @@ class TierConfig:
             page being filled.
         attend: ``"all"`` fetches every demoted page back before attention (exact);
             ``"topk"`` attends the hot set plus the ``recall_budget`` best cold pages by
-            ``recall_score`` (approximate, less traffic).
+            ``recall_score`` (approximate, less traffic); ``"split"`` attends the cold pages
+            where they live, on the host CPU, and merges their partial state with the hot
+            set's (exact; the link carries queries and partial states, not pages:
+            :mod:`tierattn.hostattn`); ``"auto"`` chooses per layer, every ``adapt_every``
+            decode steps, between ``"topk"``'s recall (where the key sketch says the recalled
+            pages hold ``adapt_mass`` of the layer's cold attention) and the cheaper of
+            ``"split"`` and ``"all"`` by the cost model (``link_bandwidth``,
+            ``host_bandwidth``).
         recall_budget: cold pages recalled per step, as tokens (int) or a fraction (float)
             of ``recall_scope``, in whole pages (``attend="topk"`` only).
         recall_scope: what a fractional ``recall_budget`` is a fraction of: ``"sequence"``
@@ -202,6 +209,21 @@ class TierConfig:
         prefill_chunk_size: most tokens one ``append`` may add per sequence (pool headroom).
         backend: kernels' backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         seed: seed of the random eviction policy.
+        adapt_every: ``attend="auto"``: decode steps between a layer's choices (a choice reads
+            the sketch's estimate of the step before, copied to the host asynchronously).
+        adapt_mass: ``attend="auto"``: the share of a layer's estimated cold attention mass the
+            recalled pages must hold for the layer to recall rather than attend exactly.
+        link_bandwidth: bytes per second between a lower tier and the device, for the cost
+            model of ``attend="auto"`` (None: measured on this machine when the cache is built).
+        host_bandwidth: KV bytes per second the host attends (split attention), for the same
+            cost model (None: measured on this machine when the cache is built, then refitted
+            from every split step's time; a number describes the machine, e.g. a modeled one,
+            and is kept).
+        link_latency, host_latency: ``attend="auto"``: seconds a recall and a host round trip
+            (the query out, the partial state back) cost besides their bytes, for the same cost
+            model (a modeled machine at scale, where bytes decide, may set them to 0).
+        host_threads: threads of the host attention (None: torch's intra-op threads, or
+            ``TIERATTN_HOST_THREADS``).
         cuda_graphs: capture each layer's decode step (the token's K/V write, attention over
             the hot and cold pages, merge, page mass) in a CUDA graph and replay it; the rare
             structural work (new pages, demotions) runs between replays. Needs a CUDA device;
@@ -234,6 +256,13 @@ class TierConfig:
     prefill_chunk_size: int = 512
     backend: str = "auto"
     seed: int = 0
+    adapt_every: int = 16
+    adapt_mass: float = 0.9
+    link_bandwidth: float | None = None
+    host_bandwidth: float | None = None
+    link_latency: float = 10e-6
+    host_latency: float = 30e-6
+    host_threads: int | None = None
     cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
@@ -265,7 +294,7 @@ class TierConfig:
                 (isinstance(r, float) and not 0.0 < r <= 1.0) or (isinstance(r, int) and r < 1):
             fail("key_rank", f"must be a fraction of the head dim in (0, 1] (float) or a "
                  f"number of channels >= 1 (int), got {r!r}.")
-        choices = {"attend": ("all", "topk"), "score": ("mass", "quest", "hybrid"),
+        choices = {"attend": ("all", "topk", "split", "auto"), "score": ("mass", "quest", "hybrid"),
                    "recall_score": ("sketch", "quest"), "sketch_reduce": ("max", "lse"),
                    "budget_rounding": ("up", "down"), "recall_scope": ("sequence", "cold"),
                    "evict_policy": ("h2o", "streaming", "snapkv", "snapkv-decode", "rkv",
@@ -276,9 +305,35 @@ class TierConfig:
         for knob, allowed in choices.items():
             if getattr(self, knob) not in allowed:
                 fail(knob, f"{getattr(self, knob)!r} is not one of {allowed}.")
-        if self.attend == "all" and self.prefetch == "speculative":
-            fail("prefetch", "'speculative' picks pages for attend='topk'; with attend='all' "
-                 "every cold page is fetched, so use prefetch='layer_ahead' or 'none'.")
+        if self.attend in ("all", "split") and self.prefetch == "speculative":
+            fail("prefetch", f"'speculative' picks pages for attend='topk'; with attend="
+                 f"{self.attend!r} every cold page is attended, so use prefetch='layer_ahead' "
+                 "or 'none'.")
+        if self.attend == "auto" and (self.recall_score, self.sketch_reduce) != ("sketch", "lse"):
+            fail("attend", "'auto' estimates how concentrated each layer is from the key "
+                 "sketch's attention shares: keep recall_score='sketch' and sketch_reduce='lse'.")
+        if self.attend in ("split", "auto") and self.cuda_graphs:
+            fail("cuda_graphs", f"attend={self.attend!r}: a split layer's host round trip (the "
+                 "query to the host, the partial state back) cannot be captured in a CUDA "
+                 "graph; set cuda_graphs=False.")
+        if not _is_int(self.adapt_every) or self.adapt_every < 1:
+            fail("adapt_every", f"must be an int >= 1 (decode steps), got {self.adapt_every!r}.")
+        if isinstance(self.adapt_mass, bool) or not isinstance(self.adapt_mass, (int, float)) \
+                or not 0.0 <= self.adapt_mass <= 1.0:
+            fail("adapt_mass", f"must be a share in [0, 1], got {self.adapt_mass!r}.")
+        for knob in ("link_bandwidth", "host_bandwidth"):
+            v = getattr(self, knob)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or
+                                  not 0 < v < float("inf")):
+                fail(knob, f"must be bytes per second (> 0) or None (measured), got {v!r}.")
+        for knob in ("link_latency", "host_latency"):
+            v = getattr(self, knob)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                    not 0 <= v < float("inf"):
+                fail(knob, f"must be seconds >= 0, got {v!r}.")
+        if self.host_threads is not None and (not _is_int(self.host_threads) or
+                                              self.host_threads < 1):
+            fail("host_threads", f"must be an int >= 1 or None, got {self.host_threads!r}.")
         if isinstance(self.tiers, (list, tuple)) and not self.tiers:
             fail("tiers", "the first tier must be 'hbm' (the device pool), e.g. "
                  "tiers=(TierSpec('hbm'), TierSpec('ddr')).")
@@ -304,13 +359,18 @@ class TierConfig:
     def key_range(self) -> bool:
         """Whether every page keeps its element-wise key range (Quest metadata: a demotion or
         recall score reads it)."""
-        return self.score in ("quest", "hybrid") or (self.attend == "topk" and
+        return self.score in ("quest", "hybrid") or (self.recalls and
                                                      self.recall_score == "quest")
 
     @property
     def key_sketch(self) -> bool:
-        """Whether every page keeps its key sketch (``attend="topk"`` ranked by the sketch)."""
-        return self.attend == "topk" and self.recall_score == "sketch"
+        """Whether every page keeps its key sketch (recall ranked by the sketch)."""
+        return self.recalls and self.recall_score == "sketch"
+
+    @property
+    def recalls(self) -> bool:
+        """Whether some layer may recall its best cold pages (``attend`` ``"topk"``/``"auto"``)."""
+        return self.attend in ("topk", "auto")
 
     def demotes(self) -> bool:
         """True when some tokens may have to live below HBM (neither hot nor evicted)."""
@@ -376,6 +436,9 @@ PRESETS: dict[str, dict] = {
     "offload": {"hot_budget": 0.5, "attend": "all", "score": "mass"},
     "topk": {"hot_budget": 0.25, "attend": "topk", "recall_budget": 0.25, "recall_scope": "cold",
              "key_rank": 0.375, "score": "mass"},
+    "split": {"hot_budget": 0.25, "attend": "split", "score": "mass"},
+    "adaptive": {"hot_budget": 0.25, "attend": "auto", "recall_budget": 0.25,
+                 "recall_scope": "cold", "key_rank": 0.375, "score": "mass"},
     "evict-h2o": {"hot_budget": 0.5, "evict_budget": 0.5, "evict_policy": "h2o",
                   "tiers": _tiers("hbm")},
     "evict-streaming": {"hot_budget": 0.5, "evict_budget": 0.5, "evict_policy": "streaming",

@@ -36,8 +36,8 @@ import torch
 
 from tierattn.errors import TierConfigError
 
-__all__ = ["CALIBRATION_FORMAT", "CostModel", "LinearFit", "Stopwatch", "attention_work",
-           "prefill_work"]
+__all__ = ["CALIBRATION_FORMAT", "AttendCosts", "CostModel", "LinearFit", "Stopwatch",
+           "attention_work", "prefill_work"]
 
 #: ``format`` field of a calibration file (:meth:`CostModel.save`)
 CALIBRATION_FORMAT = "tierattn-swap-calibration"
@@ -268,6 +268,50 @@ class CostModel:
                                           "or zero cost.")
                 self.links[(kind, d)].prior = prior
         self.calibrated_from = source
+
+
+class AttendCosts:
+    """What attending a layer's cold pages costs each way (``attend="auto"``): recalling them
+    over the link (``t = latency + bytes / link bandwidth``) or attending them on the host
+    (``t = latency + bytes / host-attention rate``, plus the query and the partial state on the
+    link). Priors from the given rates; with ``refit`` the host term is refitted from every
+    split step's measured time (host work, timed without a device read).
+
+    Args:
+        link_bps: bytes per second between a lower tier and the device.
+        host_bps: KV bytes per second the host attends.
+        link_latency_s, host_latency_s: the fixed cost of a recall and of a host round trip.
+        refit: follow the measured host times (False: the rates describe another machine,
+            a modeled one, and are kept).
+    """
+
+    def __init__(self, link_bps: float, host_bps: float, *, link_latency_s: float = 10e-6,
+                 host_latency_s: float = 30e-6, refit: bool = True) -> None:
+        self.link_bps, self.host_bps, self.refit = float(link_bps), float(host_bps), refit
+        self.link_latency_s = link_latency_s
+        self.host = LinearFit(("call", "bytes"), keep=1, window=256,
+                              prior=(host_latency_s, 1.0 / self.host_bps))
+
+    def recall_s(self, nbytes: int) -> float:
+        """Bringing ``nbytes`` of cold pages to the device."""
+        return self.link_latency_s + nbytes / self.link_bps
+
+    def split_s(self, nbytes: int, link_bytes: int) -> float:
+        """Attending ``nbytes`` of cold pages on the host, ``link_bytes`` of query and partial
+        state crossing the link."""
+        return self.host.predict((1.0, nbytes)) + self.recall_s(link_bytes)
+
+    def observe_host(self, nbytes: int, seconds: float) -> None:
+        if self.refit:
+            self.host.add((1.0, nbytes), seconds)
+
+    def as_dict(self) -> dict:
+        coef = self.host.coef()
+        return {"link_bandwidth_Bps": self.link_bps, "link_latency_s": self.link_latency_s,
+                "host_bandwidth_prior_Bps": self.host_bps,
+                "host_bandwidth_fit_Bps": 1.0 / coef[1] if coef and coef[1] > 0 else None,
+                "host_latency_fit_s": coef[0] if coef else None,
+                "host_observations": self.host.count}
 
 
 class Stopwatch:

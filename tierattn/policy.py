@@ -343,7 +343,7 @@ def build_policies(config: TierConfig, importance: Importance, pages: PageMap,
              RKV: {"page_keys": mover.mean_keys},
              RandomEviction: {"seed": config.seed}}.get(kind, {})
     return Policies(DEMOTION_RANKS[config.score](importance), kind(importance, pages, **extra),
-                    RECALLS["all" if config.attend == "all" else config.recall_score](
+                    RECALLS[config.recall_score if config.recalls else "all"](
                         importance, pages, config))
 
 

@@ -40,6 +40,10 @@ class LayerCounters:
     attend_calls: int = 0
     decode_steps: int = 0
     host_time_s: float = 0.0
+    host_attn_bytes: int = 0  # cold KV bytes attended on the host (split attention)
+    host_attn_s: float = 0.0  # the host attention's own time (part of host_time_s)
+    split_steps: int = 0  # decode steps this layer attended its cold pages on the host
+    recall_steps: int = 0  # decode steps this layer recalled cold pages (attend="auto")
 
     def as_dict(self) -> dict:
         return {
@@ -58,6 +62,8 @@ class LayerCounters:
             "window_dropped_tokens": self.window_dropped_tokens,
             "demoted_pages": self.demoted_pages, "attend_calls": self.attend_calls,
             "decode_steps": self.decode_steps, "host_time_s": self.host_time_s,
+            "host_attn_bytes": self.host_attn_bytes, "host_attn_s": self.host_attn_s,
+            "split_steps": self.split_steps, "recall_steps": self.recall_steps,
         }
 
 
@@ -137,7 +143,8 @@ def summarize(per_layer: list[dict]) -> dict:
                 "prefetch_hits", "late_misses", "wasted_prefetches", "evicted_tokens",
                 "window_dropped_tokens", "demoted_pages", "attend_calls", "host_time_s",
                 "disk_staged_pages", "disk_sync_pages", "disk_missed_pages",
-                "disk_selection_reads"):
+                "disk_selection_reads", "host_attn_bytes", "host_attn_s", "split_steps",
+                "recall_steps"):
         total[key] = sum(d[key] for d in per_layer)
     for key in ("h2d_bytes", "d2h_bytes"):
         merged: dict[str, int] = defaultdict(int)

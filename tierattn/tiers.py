@@ -368,7 +368,8 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
 
     Args:
         staging_pages: slots per staging buffer (None: every cold page of the batch for
-            ``attend="all"``, the recall budget for ``"topk"``).
+            ``attend="all"``, twice the recall budget for ``"topk"`` and ``"auto"``, one page
+            for ``"split"``, which stages nothing).
         ring: staging buffers.
         holds_prompt: the eviction policy keeps the whole prompt until decoding starts.
 
@@ -390,7 +391,9 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
     capacities = [spec.capacity(page_bytes, num_layers) for spec in cfg.tiers]
     capacities = [default[spec.kind] if cap is None else cap
                   for spec, cap in zip(cfg.tiers, capacities)]
-    if cfg.attend == "all":  # by default a row per sequence (demotions append in place)
+    if cfg.attend == "split":  # cold pages are attended on the host: nothing is staged
+        staging_pages = max(1, min(staging_pages or 1, b * mp))
+    elif cfg.attend == "all":  # by default a row per sequence (demotions append in place)
         staging_pages = max(1, min(staging_pages, b * mp)) if staging_pages else b * mp
     else:  # recall: the selection, and as much again for the pages a prefetch missed
         need = b * max(1, min(cfg.pages(cfg.recall_budget, mp, cfg.max_context),

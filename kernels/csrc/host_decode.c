@@ -1,0 +1,110 @@
+/* Decode attention over host-memory pages: the compiled kernel of tierattn.kernels.host.
+ *
+ * host_decode_{f32,bf16,f16}: one query token per sequence over the pages a CSR page table
+ * lists in a pool [S, 2, P, H_kv, D] (K then V of a page, every KV head). Tasks are (sequence,
+ * split of its pages), run by OpenMP threads; a task reads each of its pages once, scores the
+ * query heads of every GQA group against it and folds it into an online softmax per query
+ * head; the splits' partial states are merged at the end. The vector code uses GCC's generic
+ * vectors of 16 floats (AVX-512, AVX2 or NEON alike); head dims that are not a multiple of 16
+ * take scalar loops. The body is written once (host_decode_body.h), instantiated per dtype.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define V 16
+typedef float vf __attribute__((vector_size(4 * V)));
+typedef int32_t vi __attribute__((vector_size(4 * V)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * V)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * V)));
+typedef _Float16 vh __attribute__((vector_size(2 * V)));
+
+static inline vf load_f32(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
+static inline void store_f32(float *p, vf x) { memcpy(p, &x, sizeof x); }
+static inline vf load_bf16(const uint16_t *p) {  /* bf16 is the high half of an fp32 word */
+    vu16 x; memcpy(&x, p, sizeof x);
+    vu32 w = __builtin_convertvector(x, vu32) << 16;
+    vf f; memcpy(&f, &w, sizeof f); return f;
+}
+static inline vf load_f16(const _Float16 *p) {
+    vh x; memcpy(&x, p, sizeof x); return __builtin_convertvector(x, vf);
+}
+static inline float one_f32(float x) { return x; }
+static inline float one_bf16(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline float one_f16(_Float16 x) { return (float)x; }
+static inline float hsum(vf x) {  /* a tree: four shuffles and adds */
+    x += __builtin_shuffle(x, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    x += __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    x += __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    x += __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return x[0];
+}
+
+static inline vf vsel(vi mask, vf a, vf b) {  /* mask ? a : b, per lane */
+    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+}
+
+/* exp of 16 lanes (Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
+   within 2 ulp); lanes below -87.3 (-inf included) give 0, NaN stays NaN. */
+static inline vf vexp(vf x) {
+    const vf zero = (vf){0}, lo = zero - 87.3f, hi = zero + 88.7f;
+    vi under = x < lo;
+    x = vsel(x > hi, hi, x);
+    vf xs = x * 1.44269504088896341f;
+    vf half = vsel(xs < zero, zero - 0.5f, zero + 0.5f);
+    vi k = __builtin_convertvector(xs + half, vi);  /* rounded half away from zero */
+    vf kf = __builtin_convertvector(k, vf);
+    vf r = x - kf * 0.693359375f;
+    r = r + kf * 2.12194440e-4f;
+    vf z = r * r;
+    vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * z + r + 1.0f;
+    vi bits = (k + 127) << 23;
+    y = y * (vf)bits;
+    return vsel(under, zero, y);
+}
+
+#define MAXG 8  /* query heads of a group scored per pass over a key (vector registers) */
+
+#define T float
+#define NAME f32
+#include "host_decode_body.h"
+#undef T
+#undef NAME
+#define T uint16_t
+#define NAME bf16
+#include "host_decode_body.h"
+#undef T
+#undef NAME
+#define T _Float16
+#define NAME f16
+#include "host_decode_body.h"
+
+/* The plain read the host kernel is measured against: every byte of the pages a table lists,
+   with the same tasks and threads, summed as 32-bit words (no arithmetic worth the name). */
+uint32_t host_read(const uint8_t *pool, const int32_t *idx, const int32_t *row_start,
+                   const int32_t *row_count, int B, int64_t page_bytes, int splits,
+                   int threads) {
+    uint32_t total = 0;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(^ : total)
+    for (int task = 0; task < B * splits; task++) {
+        int s_i = task % splits, b = task / splits, count = row_count[b];
+        int per = (count + splits - 1) / splits, lo = s_i * per;
+        int hi = lo + per < count ? lo + per : count;
+        vu32 acc = (vu32){0};
+        for (int j = lo; j < hi; j++) {
+            const uint8_t *p = pool + (int64_t)idx[row_start[b] + j] * page_bytes;
+            int64_t n = page_bytes / sizeof(vu32), i = 0;
+            for (; i < n; i++) { vu32 x; memcpy(&x, p + i * sizeof x, sizeof x); acc += x; }
+        }
+        for (int i = 0; i < V; i++) total ^= acc[i];
+    }
+    return total;
+}

@@ -1,0 +1,163 @@
+/* The kernel body, instantiated by host_decode.c with T (the pool's element type) and NAME. */
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define LOAD CAT(load_, NAME)
+#define ONE CAT(one_, NAME)
+
+/* Task (b, s_i): pages [lo, hi) of sequence b. Scratch: s [Hq, P] scores, acc [Hq, D], m, l. */
+static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, const int32_t *idx,
+        const int32_t *row_start, const int32_t *row_count, const int32_t *last_len,
+        const int32_t *first, float *page_lse, const int32_t *lse_row, int Hkv, int G, int D,
+        int P, float scale, float softcap, int splits, int task, float *out_o, float *out_m,
+        float *out_l, float *restrict s, float *restrict acc, float *restrict m,
+        float *restrict l) {
+    int s_i = task % splits, b = task / splits, Hq = Hkv * G;
+    int count = row_count[b], per = (count + splits - 1) / splits;
+    int lo = s_i * per, hi = lo + per < count ? lo + per : count;
+    for (int i = 0; i < Hq; i++) { m[i] = -INFINITY; l[i] = 0.f; }
+    memset(acc, 0, sizeof(float) * Hq * D);
+    const float *qb = q + (int64_t)b * Hq * D;
+    int64_t tok = (int64_t)Hkv * D, half = (int64_t)P * tok;
+    int vec = D % V == 0;
+    for (int j = lo; j < hi; j++) {
+        int e = row_start[b] + j;
+        int n = j == count - 1 ? last_len[b] : P, f0 = first ? first[e] : 0;
+        float *pl = page_lse ? page_lse + (int64_t)lse_row[e] * Hq : 0;
+        if (f0 >= n) {  /* padding only: no key */
+            if (pl) for (int i = 0; i < Hq; i++) pl[i] = -INFINITY;
+            continue;
+        }
+        const T *kp = pool + (int64_t)idx[e] * 2 * half, *vp = kp + half;
+        /* scores s[h*G + g][t]: each key read once, scored by its group's query heads */
+        for (int t = f0; t < n; t++)
+            for (int h = 0; h < Hkv; h++) {
+                const T *kr = kp + t * tok + h * D;
+                for (int g0 = 0; g0 < G; g0 += MAXG) {
+                    int gn = G - g0 < MAXG ? G - g0 : MAXG;
+                    const float *qg = qb + (int64_t)(h * G + g0) * D;
+                    float x[MAXG];
+                    if (vec) {
+                        vf a[MAXG];
+                        for (int g = 0; g < gn; g++) a[g] = (vf){0};
+                        for (int d = 0; d < D; d += V) {
+                            vf kv = LOAD(kr + d);
+                            for (int g = 0; g < gn; g++) a[g] += load_f32(qg + g * D + d) * kv;
+                        }
+                        for (int g = 0; g < gn; g++) x[g] = hsum(a[g]);
+                    } else {
+                        for (int g = 0; g < gn; g++) {
+                            float y = 0.f;
+                            for (int d = 0; d < D; d++) y += qg[g * D + d] * ONE(kr[d]);
+                            x[g] = y;
+                        }
+                    }
+                    for (int g = 0; g < gn; g++) {
+                        float y = x[g] * scale;
+                        if (softcap > 0.f) y = softcap * tanhf(y / softcap);
+                        s[(h * G + g0 + g) * P + t] = y;
+                    }
+                }
+            }
+        /* the page's softmax per query head, folded into the running state */
+        float pm[Hq];
+        for (int i = 0; i < Hq; i++) {
+            float *si = s + i * P, x = -INFINITY;
+            for (int t = f0; t < n; t++) x = si[t] > x ? si[t] : x;
+            for (int t = f0; t < n; t++) si[t] -= x;
+            pm[i] = x;
+        }
+        int all = Hq * P, full = all - all % V;  /* lanes outside [f0, n) are never read */
+        for (int c = 0; c < full; c += V) store_f32(s + c, vexp(load_f32(s + c)));
+        for (int c = full; c < all; c++) s[c] = expf(s[c]);
+        for (int i = 0; i < Hq; i++) {
+            float *si = s + i * P, ps = 0.f;
+            for (int t = f0; t < n; t++) ps += si[t];
+            if (pl) pl[i] = pm[i] + logf(ps);
+            float mn = m[i] > pm[i] ? m[i] : pm[i];
+            float alpha = expf(m[i] - mn), beta = expf(pm[i] - mn);  /* alpha 0 on a first page */
+            l[i] = l[i] * alpha + ps * beta;
+            m[i] = mn;
+            for (int t = f0; t < n; t++) si[t] *= beta;
+            if (alpha != 1.f) for (int d = 0; d < D; d++) acc[i * D + d] *= alpha;
+        }
+        /* acc += p V, the group's accumulators held in registers over the page's tokens */
+        for (int h = 0; h < Hkv; h++) {
+            const T *vh0 = vp + h * D;
+            for (int g0 = 0; g0 < G; g0 += MAXG) {
+                int gn = G - g0 < MAXG ? G - g0 : MAXG, i0 = h * G + g0;
+                if (vec) {
+                    for (int d = 0; d < D; d += V) {
+                        vf a[MAXG];
+                        for (int g = 0; g < gn; g++) a[g] = load_f32(acc + (i0 + g) * D + d);
+                        for (int t = f0; t < n; t++) {
+                            vf vv = LOAD(vh0 + t * tok + d);
+                            for (int g = 0; g < gn; g++) a[g] += s[(i0 + g) * P + t] * vv;
+                        }
+                        for (int g = 0; g < gn; g++) store_f32(acc + (i0 + g) * D + d, a[g]);
+                    }
+                } else {
+                    for (int t = f0; t < n; t++)
+                        for (int g = 0; g < gn; g++) {
+                            float w = s[(i0 + g) * P + t], *ag = acc + (i0 + g) * D;
+                            for (int d = 0; d < D; d++) ag[d] += w * ONE(vh0[t * tok + d]);
+                        }
+                }
+            }
+        }
+    }
+    int64_t o = ((int64_t)b * splits + s_i) * Hq;
+    memcpy(out_m + o, m, sizeof(float) * Hq);
+    memcpy(out_l + o, l, sizeof(float) * Hq);
+    memcpy(out_o + o * D, acc, sizeof(float) * Hq * D);
+}
+
+/* Returns 0, or 1 when a thread could not allocate its scratch (nothing is then valid). */
+int CAT(host_decode_, NAME)(const float *q, const T *pool, const int32_t *idx,
+        const int32_t *row_start, const int32_t *row_count, const int32_t *last_len,
+        const int32_t *first, float *page_lse, const int32_t *lse_row, int B, int Hkv, int G,
+        int D, int P, float scale, float softcap, int splits, int threads, float *out_o,
+        float *out_m, float *out_l, float *out, float *lse) {
+    int Hq = Hkv * G, tasks = B * splits, failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *buf = malloc(sizeof(float) * ((size_t)Hq * P + (size_t)Hq * D + 2 * (size_t)Hq));
+        if (!buf) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < tasks; t++)
+            if (buf)
+                CAT(task_, NAME)(q, pool, idx, row_start, row_count, last_len, first, page_lse,
+                                 lse_row, Hkv, G, D, P, scale, softcap, splits, t, out_o, out_m,
+                                 out_l, buf, buf + Hq * P, buf + Hq * P + Hq * D,
+                                 buf + Hq * P + Hq * D + Hq);
+        free(buf);
+        /* the splits merged: lse = log sum_k l_k e^{m_k}, out = sum_k acc_k e^{m_k} / sum */
+        #pragma omp for
+        for (int r = 0; r < B * Hq; r++) {
+            int bb = r / Hq, i = r % Hq;
+            float mx = -INFINITY, den = 0.f, *od = out + (int64_t)r * D;
+            for (int k = 0; k < splits; k++) {
+                int64_t o = ((int64_t)bb * splits + k) * Hq + i;
+                if (out_l[o] > 0.f && out_m[o] > mx) mx = out_m[o];
+            }
+            memset(od, 0, sizeof(float) * D);
+            if (mx == -INFINITY) { lse[r] = -INFINITY; continue; }
+            for (int k = 0; k < splits; k++) {
+                int64_t o = ((int64_t)bb * splits + k) * Hq + i;
+                if (!(out_l[o] > 0.f)) continue;
+                float w = expf(out_m[o] - mx);
+                den += w * out_l[o];
+                const float *a = out_o + o * D;
+                for (int d = 0; d < D; d++) od[d] += w * a[d];
+            }
+            for (int d = 0; d < D; d++) od[d] /= den;
+            lse[r] = mx + logf(den);
+        }
+    }
+    return failed;
+}
+
+#undef LOAD
+#undef ONE
