@@ -46,10 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-SECTIONS = ("gate", "calibration", "decode", "pipeline", "hostcost", "tp", "autotune")
+SECTIONS = ("gate", "calibration", "decode", "pipeline", "split", "hostcost", "tp", "autotune")
 #: what runs without --sections: the runtime's checks (the kernel sweeps are opt-in; tp skips
 #: itself on a machine with one GPU)
-DEFAULT_SECTIONS = ("gate", "calibration", "pipeline", "hostcost", "tp")
+DEFAULT_SECTIONS = ("gate", "calibration", "pipeline", "split", "hostcost", "tp")
 REPO = Path(__file__).resolve().parent.parent
 GATE_TESTS = ("tests/test_decode.py", "tests/test_score.py", "tests/test_sketch.py",
               "tests/test_merge.py", "tests/test_prefill.py", "tests/test_metadata.py",
@@ -57,7 +57,7 @@ GATE_TESTS = ("tests/test_decode.py", "tests/test_score.py", "tests/test_sketch.
               "tests/test_kernel_edges.py", "tests/test_partial_states.py",
               "tests/test_transfer.py", "tests/test_runtime.py", "tests/test_conservation.py",
               "tests/test_pagemap.py", "tests/test_decode_step.py", "tests/test_graphs.py",
-              "tests/test_swapcore.py")
+              "tests/test_swapcore.py", "tests/test_split.py")
 
 
 # --- timing --------------------------------------------------------------------------------
@@ -378,9 +378,12 @@ def section_pipeline(ctx: dict) -> dict:
         "ours topk 10%+10%": TierConfig.preset("topk", hot_budget=0.1, recall_budget=0.1,
                                                recall_scope="sequence", **common),
     }
-    # the same with every layer's decode step captured in a CUDA graph and replayed
+    # the same with every layer's decode step captured in a CUDA graph and replayed (a split
+    # layer's host round trip cannot be captured: those run eagerly, and sync)
+    variants["ours split 25%"] = TierConfig.preset("split", hot_budget=0.25, **common)
+    variants["ours adaptive 25%"] = TierConfig.preset("adaptive", hot_budget=0.25, **common)
     for name in list(variants):
-        if "sync fetch" not in name:
+        if "sync fetch" not in name and "split" not in name and "adaptive" not in name:
             variants[f"{name}, CUDA graphs"] = variants[name].replace(cuda_graphs=True)
     prof = ctx.get("profile")
     res: dict = {"context": context, "layers": geo.layers, "steps": steps, "rows": {}}
@@ -440,11 +443,83 @@ def section_pipeline(ctx: dict) -> dict:
         if base and "ms" in r:
             r["exposed_vs_resident_ms"] = r["ms"] - base
         # the modeled time of the same design: prefetch-less variants fetch synchronously
-        r["modeled_key"] = "whole_layer_ms" if name.startswith("whole") else \
+        r["modeled_key"] = None if "split" in name or "adaptive" in name else \
+            "whole_layer_ms" if name.startswith("whole") else \
             "resident_ms" if name.startswith("all resident") else \
             "sync_ms" if "graphs" in name or "sync" in name else "ours_ms"
         if "ms" in r and r.get("modeled", {}).get(r["modeled_key"]):
             r["measured_over_modeled"] = r["ms"] / r["modeled"][r["modeled_key"]]
+    return res
+
+
+def section_split(ctx: dict) -> dict:
+    """Split attention on this machine: ``attend="split"`` against the all-resident cache on
+    the device, step by step (the query's copy to the host, the host kernel, the partial state
+    back, the merge), and the host kernel's rate against a plain read of the same pages with
+    this machine's cores (``host_read``), bf16 and fp32, Llama-8B heads."""
+    from tierattn.cache import TieredKVCache
+    from tierattn.config import TierConfig
+    from tierattn.kernels import PageTable, host_decode, host_decode_available
+    from tierattn.kernels.host import host_read, host_threads
+
+    dev, tiny = ctx["dev"], ctx["tiny"]
+    layers, hq, hkv, d = (2, 4, 2, 32) if tiny else (4, 32, 8, 128)
+    context, steps = (256, 8) if tiny else (4096, 16)
+    backend = "auto" if dev.type == "cuda" else "torch"
+    common = dict(page_size=16, max_context=context + steps + 16, prefill_chunk_size=1024,
+                  backend=backend)
+    caches = {name: TieredKVCache(cfg, num_layers=layers, num_kv_heads=hkv, head_dim=d,
+                                  dtype=torch.bfloat16, device=dev)
+              for name, cfg in (("dense", TierConfig.preset("dense", **common)),
+                                ("split", TierConfig.preset("split", hot_budget=0.25, **common)))}
+    gen = torch.Generator(device=dev).manual_seed(2)
+    worst, t_split = 0.0, []
+    for t in [1024] * (context // 1024) + [context % 1024] + [1] * steps:
+        if not t:
+            continue
+        for layer in range(layers):
+            k, v, q = (torch.randn(1, h, t, d, dtype=torch.bfloat16, device=dev, generator=gen)
+                       for h in (hkv, hkv, hq))
+            outs = {}
+            for name, cache in caches.items():
+                cache.update(layer, k, v)
+                _sync(dev)
+                t0 = time.perf_counter()
+                outs[name] = cache.attend(layer, q)
+                _sync(dev)
+                if name == "split" and t == 1:
+                    t_split.append(time.perf_counter() - t0)
+            worst = max(worst, _rel_err(outs["split"].float(), outs["dense"].float()))
+    tot = caches["split"].stats()["total"]
+    res = {"context": context, "layers": layers, "max_rel_err_vs_resident": worst,
+           "split_steps": tot["split_steps"], "h2d_bytes": tot["h2d_bytes"],
+           "ms_per_split_layer_step": 1e3 * statistics.median(t_split) if t_split else None,
+           "host_kernel_compiled": host_decode_available(), "host_threads": host_threads()}
+    del caches
+    rates = {}
+    tokens = 1024 if tiny else 32768
+    pages = tokens // 16
+    for dt in (torch.bfloat16, torch.float32):
+        pool = torch.randn(pages, 2, 16, hkv, d).to(dt)
+        table = PageTable(indices=torch.randperm(pages).to(torch.int32),
+                          row_start=torch.zeros(1, dtype=torch.int32),
+                          row_count=torch.full((1,), pages, dtype=torch.int32),
+                          last_page_len=torch.full((1,), 16, dtype=torch.int32))
+        q = torch.randn(1, hq, d).to(dt)
+
+        def best(fn) -> float:
+            fn()
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return pool.numel() * pool.element_size() / min(times)
+        a = best(lambda: host_decode(q, pool, table, validate=False))
+        r = best(lambda: host_read(pool, table)) if host_decode_available() else None
+        rates[str(dt).split(".")[-1]] = {"tokens": tokens, "host_decode_Bps": a, "read_Bps": r,
+                                         "ratio": a / r if r else None}
+    res["host_rates"] = rates
     return res
 
 
@@ -499,7 +574,7 @@ def section_autotune(ctx: dict) -> dict:
     return out
 
 
-SECTION_FNS = {"gate": section_gate, "calibration": section_calibration,
+SECTION_FNS = {"gate": section_gate, "calibration": section_calibration, "split": section_split,
                "decode": section_decode, "pipeline": section_pipeline,
                "hostcost": section_hostcost, "tp": section_tp,
                "autotune": section_autotune}
@@ -520,6 +595,20 @@ def markdown(result: dict) -> str:
              f"{env['date']} · commit {env['commit']} · torch {env['torch']} · triton "
              f"{env['triton']} · transformers {env['transformers']} · Python {env['python']}", ""]
     s = result["sections"]
+    if "split" in s and "error" not in s["split"]:
+        sp = s["split"]
+        lines += ["## Split attention (measured)", "",
+                  f"split vs all-resident, {sp['layers']} layers at {sp['context']} tokens: max "
+                  f"relative error {sp['max_rel_err_vs_resident']:.2e}, "
+                  f"{_fmt(sp['ms_per_split_layer_step'])} ms per split layer step "
+                  f"(host kernel compiled: {sp['host_kernel_compiled']}, "
+                  f"{sp['host_threads']} threads)", "",
+                  "| dtype | host_decode GB/s | plain read GB/s | ratio |", "|---|---|---|---|"]
+        for dt, r in sp["host_rates"].items():
+            lines.append(f"| {dt} | {r['host_decode_Bps'] / 1e9:.1f} | "
+                         f"{_fmt(r['read_Bps'] and r['read_Bps'] / 1e9, '.1f')} | "
+                         f"{_fmt(r['ratio'])} |")
+        lines.append("")
     if "gate" in s:
         g = s["gate"]
         lines += ["## Gate", "", f"{'green' if g.get('passed') else 'RED'}: {g.get('summary', '')} "

@@ -250,17 +250,28 @@ def _traffic(stats: list, num_layers: int, prompt_tokens: int) -> dict:
     d2h = sum(s["total"]["d2h_bytes_total"] for s, _, _ in stats)
     generated = sum(b * steps for _, b, steps in stats)
     items = sum(b for _, b, _ in stats)
-    # the cold pages attended: fetched and used (a prefetched page nobody used is not)
-    cold_tokens = sum((s["total"]["h2d_decode_bytes"] / s["total"]["page_bytes"]
-                       - s["total"]["wasted_prefetches"]) * s["total"]["page_size"]
-                      for s, _, _ in stats)
+    # the cold pages attended: fetched and used (a prefetched page nobody used is not), and
+    # those attended on the host (split attention: their partial states are not pages)
+    cold_tokens = sum(((t["h2d_decode_bytes"] - t.get("partial_decode_bytes", 0)
+                        + t.get("host_attn_decode_bytes", 0)) / t["page_bytes"]
+                       - t["wasted_prefetches"]) * t["page_size"]
+                      for t in (s["total"] for s, _, _ in stats))
+    # per layer, the share of decode steps that recalled and that split (attend="auto")
+    ways = {}
+    for key in ("recall_steps", "split_steps"):
+        done = [sum(s["layers"][i][key] for s, _, _ in stats) for i in range(num_layers)]
+        steps_run = [sum(s["layers"][i]["decode_steps"] for s, _, _ in stats)
+                     for i in range(num_layers)]
+        ways[key.replace("_steps", "_share_by_layer")] = [
+            round(n / m, 4) if m else 0.0 for n, m in zip(done, steps_run)]
     hbm = sum(s["total"]["resident_fraction"].get("hbm", 0.0) * b for s, b, _ in stats) / items
     evicted = sum(s["total"]["evicted_tokens"] for s, _, _ in stats)
     return {"h2d_bytes_per_token": h2d / generated,
             "h2d_used_bytes_per_token": (h2d - wasted) / generated,
             "d2h_bytes_per_token": d2h / generated,
             "cold_tokens_per_step": cold_tokens / (generated * num_layers),
-            "resident_hbm": hbm, "evicted_fraction": evicted / (num_layers * prompt_tokens)}
+            "resident_hbm": hbm, "evicted_fraction": evicted / (num_layers * prompt_tokens),
+            **ways}
 
 
 def evaluate_items(model, items: list[Item], runs: list[dict], *, steps: int, eos_id: int,

@@ -146,7 +146,8 @@ def test_gpu_check_refuses_without_a_gpu_and_runs_tiny_on_cpu(tmp_path, capsys):
         pytest.skip("this machine has a GPU")
     assert gpu_check.main(["--out", str(tmp_path / "x")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
-    res = gpu_check.run(tmp_path / "gc", sections=("calibration", "decode", "pipeline", "tp"),
+    res = gpu_check.run(tmp_path / "gc",
+                        sections=("calibration", "decode", "pipeline", "split", "tp"),
                         tiny=True, commit="test")
     secs = res["sections"]
     assert all("error" not in s for s in secs.values()), secs
@@ -155,7 +156,10 @@ def test_gpu_check_refuses_without_a_gpu_and_runs_tiny_on_cpu(tmp_path, capsys):
     assert secs["calibration"]["uva_copy_correct"]
     rows = secs["pipeline"]["rows"]
     assert rows["ours offload 50%"]["prefetch_hit_rate"] == 1.0
+    assert "error" not in rows["ours split 25%"] and "error" not in rows["ours adaptive 25%"]
+    assert secs["split"]["max_rel_err_vs_resident"] < 1e-2 and secs["split"]["split_steps"] > 0
     md = (tmp_path / "gc" / "gpu_check.md").read_text()
     assert "## Decode sweep" in md and "## Tiered pipeline" in md
+    assert "## Split attention (measured)" in md
     prof = load_profile(tmp_path / "gc" / "hardware-measured.json")
     assert prof["measured"] is True

@@ -46,6 +46,9 @@ def test_two_rank_tensor_parallel_is_token_identical_to_one_process(tmp_path, fi
                 assert got["ranks_in_stats"] == 2 and got["all_ranks_attend_calls"] > 0
                 assert got["h2d_bytes"].get("ddr", 0) + got["h2d_bytes"].get("disk", 0) > 0
             assert row["disk"]["h2d_bytes"]["disk"] > 0  # pages came back from the disk tier
+            split = row["split"]  # split attention: each rank's cold pages on its own host
+            assert split["identical"] and split["kv_heads"] == 1 and split["split_steps"] > 0
+            assert set(split["h2d_bytes"]) == {"partial"}
             assert row["round_trip_equal"]
             assert row["other_rank_file"].startswith("refused")
             figures.count(f"tensor-parallel ranks token-identical to one process ({family})")

@@ -77,12 +77,14 @@ def main(out: Path, families: list[str], device: str = "cpu") -> None:
         ref = generate(AutoModelForCausalLM.from_pretrained(path).to(dev).eval(), ids, mask)
         model = sharded(path).eval()
         row: dict = {"tp_size": model.tp_size}
-        tiers = {"ddr": (TierSpec("hbm"), TierSpec("ddr")),
-                 "disk": (TierSpec("hbm"), TierSpec("ddr", capacity_pages=2),
-                          TierSpec("disk", path=str(out / f"disk-{family}")))}
-        for name, spec in tiers.items():
+        ddr = (TierSpec("hbm"), TierSpec("ddr"))
+        runs = {"ddr": (ddr, "all"),
+                "disk": ((TierSpec("hbm"), TierSpec("ddr", capacity_pages=2),
+                          TierSpec("disk", path=str(out / f"disk-{family}"))), "all"),
+                "split": (ddr, "split")}  # each rank attends its own heads' cold pages
+        for name, (spec, attend) in runs.items():
             cfg = TierConfig(page_size=4, hot_budget=8, max_context=128, backend=backend,
-                             tiers=spec)
+                             tiers=spec, attend=attend)
             cache = TieredCache(model.config, cfg)
             with tierattn.patch(model, cfg):
                 got = generate(model, ids, mask, past_key_values=cache)
@@ -90,6 +92,7 @@ def main(out: Path, families: list[str], device: str = "cpu") -> None:
             row[name] = {"identical": bool(torch.equal(got, ref)),
                          "kv_heads": cache.runtime.num_kv_heads,
                          "h2d_bytes": total["total"]["h2d_bytes"],
+                         "split_steps": total["total"]["split_steps"],
                          "ranks_in_stats": len(total["ranks"]),
                          "all_ranks_attend_calls": total["all_ranks"]["attend_calls"],
                          "fingerprint": cache.runtime.fingerprint}

@@ -175,6 +175,7 @@ class HostAttention:
         lse.copy_(s, non_blocking=True)
         tel.kernel_launches += len(batches)
         tel.host_attn_bytes += scanned
+        tel.host_attn_decode_bytes += scanned
         tel.host_attn_s += elapsed
         tel.split_steps += 1
         tel.d2h_bytes["query"] += q.numel() * q.element_size()
@@ -185,6 +186,7 @@ class HostAttention:
         tel.h2d_bytes["partial"] += n
         if self.telemetry.decoding:
             tel.h2d_decode_bytes += n
+            tel.partial_decode_bytes += n
 
     # --- prompt chunks ----------------------------------------------------------------------------
 

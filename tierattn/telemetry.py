@@ -42,6 +42,8 @@ class LayerCounters:
     host_time_s: float = 0.0
     host_attn_bytes: int = 0  # cold KV bytes attended on the host (split attention)
     host_attn_s: float = 0.0  # the host attention's own time (part of host_time_s)
+    host_attn_decode_bytes: int = 0  # the part of host_attn_bytes attended in decode steps
+    partial_decode_bytes: int = 0  # partial states copied back in decode steps (in h2d_bytes)
     split_steps: int = 0  # decode steps this layer attended its cold pages on the host
     recall_steps: int = 0  # decode steps this layer recalled cold pages (attend="auto")
 
@@ -63,6 +65,8 @@ class LayerCounters:
             "demoted_pages": self.demoted_pages, "attend_calls": self.attend_calls,
             "decode_steps": self.decode_steps, "host_time_s": self.host_time_s,
             "host_attn_bytes": self.host_attn_bytes, "host_attn_s": self.host_attn_s,
+            "host_attn_decode_bytes": self.host_attn_decode_bytes,
+            "partial_decode_bytes": self.partial_decode_bytes,
             "split_steps": self.split_steps, "recall_steps": self.recall_steps,
         }
 
@@ -144,7 +148,7 @@ def summarize(per_layer: list[dict]) -> dict:
                 "window_dropped_tokens", "demoted_pages", "attend_calls", "host_time_s",
                 "disk_staged_pages", "disk_sync_pages", "disk_missed_pages",
                 "disk_selection_reads", "host_attn_bytes", "host_attn_s", "split_steps",
-                "recall_steps"):
+                "recall_steps", "host_attn_decode_bytes", "partial_decode_bytes"):
         total[key] = sum(d[key] for d in per_layer)
     for key in ("h2d_bytes", "d2h_bytes"):
         merged: dict[str, int] = defaultdict(int)

@@ -71,6 +71,30 @@ static inline vf vexp(vf x) {
     return vsel(under, zero, y);
 }
 
+/* The lane sums of 16 vectors, as one vector (lane t = the sum of x[t]): a transposing tree
+   of 15 adds and 30 two-source shuffles, where 16 separate hsums take 64 of each. */
+static inline vf hsum16(vf *x) {
+    static const vi l1a = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    static const vi l1b = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    static const vi l2a = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    static const vi l2b = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    static const vi l3a = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    static const vi l3b = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    static const vi l4a = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    static const vi l4b = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    vf u[8], v[4], w[2];
+    for (int i = 0; i < 8; i++)
+        u[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], l1a) +
+               __builtin_shuffle(x[2 * i], x[2 * i + 1], l1b);
+    for (int i = 0; i < 4; i++)
+        v[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], l2a) +
+               __builtin_shuffle(u[2 * i], u[2 * i + 1], l2b);
+    for (int i = 0; i < 2; i++)
+        w[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], l3a) +
+               __builtin_shuffle(v[2 * i], v[2 * i + 1], l3b);
+    return __builtin_shuffle(w[0], w[1], l4a) + __builtin_shuffle(w[0], w[1], l4b);
+}
+
 #define MAXG 8  /* query heads of a group scored per pass over a key (vector registers) */
 
 #define T float

@@ -4,6 +4,79 @@
 #define LOAD CAT(load_, NAME)
 #define ONE CAT(one_, NAME)
 
+/* One key row against gn query heads (gn a constant where inlined, so the accumulators live in
+   registers): x[g] = q_g . k. */
+static inline __attribute__((always_inline)) void CAT(qk_, NAME)(
+        int gn, const float *restrict qg, const T *restrict kr, int D, float *restrict x) {
+    vf a[MAXG];
+    for (int g = 0; g < gn; g++) a[g] = (vf){0};
+    for (int d = 0; d < D; d += V) {
+        vf kv = LOAD(kr + d);
+        for (int g = 0; g < gn; g++) a[g] += load_f32(qg + g * D + d) * kv;
+    }
+    for (int g = 0; g < gn; g++) x[g] = hsum(a[g]);
+}
+
+/* Scores of 16 tokens (key rows kr + t * tok) against one query head, as one vector. */
+static inline __attribute__((always_inline)) vf CAT(qk16_, NAME)(
+        const float *restrict qg, const T *restrict kr, int64_t tok, int D) {
+    vf x[V];
+    for (int t = 0; t < V; t++) {
+        vf a = (vf){0};
+        for (int d = 0; d < D; d += V) a += load_f32(qg + d) * LOAD(kr + t * tok + d);
+        x[t] = a;
+    }
+    return hsum16(x);
+}
+
+/* acc[g] += sum_t w[g][t] v_t over the page's tokens, gn heads at once, two vectors of the
+   head dim per pass (the last alone when their count is odd) (gn a constant where inlined: the accumulators live in registers). */
+static inline __attribute__((always_inline)) void CAT(pv_, NAME)(
+        int gn, const float *restrict w, int P, const T *restrict vh, int64_t tok, int f0, int n,
+        int D, float *restrict acc) {
+    int d = 0;
+    for (; d + 2 * V <= D; d += 2 * V) {
+        vf a[MAXG], b[MAXG];
+        for (int g = 0; g < gn; g++) {
+            a[g] = load_f32(acc + g * D + d);
+            b[g] = load_f32(acc + g * D + d + V);
+        }
+        for (int t = f0; t < n; t++) {
+            vf va = LOAD(vh + t * tok + d), vb = LOAD(vh + t * tok + d + V);
+            for (int g = 0; g < gn; g++) {
+                float x = w[g * P + t];
+                a[g] += x * va;
+                b[g] += x * vb;
+            }
+        }
+        for (int g = 0; g < gn; g++) {
+            store_f32(acc + g * D + d, a[g]);
+            store_f32(acc + g * D + d + V, b[g]);
+        }
+    }
+    if (d < D) {  /* a head dim of an odd number of vectors: the last one alone */
+        vf a[MAXG];
+        for (int g = 0; g < gn; g++) a[g] = load_f32(acc + g * D + d);
+        for (int t = f0; t < n; t++) {
+            vf va = LOAD(vh + t * tok + d);
+            for (int g = 0; g < gn; g++) a[g] += w[g * P + t] * va;
+        }
+        for (int g = 0; g < gn; g++) store_f32(acc + g * D + d, a[g]);
+    }
+}
+
+#define CASES(F, ...)                                                                            \
+    switch (gn) {                                                                                \
+    case 1: F(1, __VA_ARGS__); break;                                                            \
+    case 2: F(2, __VA_ARGS__); break;                                                            \
+    case 3: F(3, __VA_ARGS__); break;                                                            \
+    case 4: F(4, __VA_ARGS__); break;                                                            \
+    case 5: F(5, __VA_ARGS__); break;                                                            \
+    case 6: F(6, __VA_ARGS__); break;                                                            \
+    case 7: F(7, __VA_ARGS__); break;                                                            \
+    default: F(8, __VA_ARGS__); break;                                                           \
+    }
+
 /* Task (b, s_i): pages [lo, hi) of sequence b. Scratch: s [Hq, P] scores, acc [Hq, D], m, l. */
 static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, const int32_t *idx,
         const int32_t *row_start, const int32_t *row_count, const int32_t *last_len,
@@ -28,8 +101,28 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
             continue;
         }
         const T *kp = pool + (int64_t)idx[e] * 2 * half, *vp = kp + half;
-        /* scores s[h*G + g][t]: each key read once, scored by its group's query heads */
-        for (int t = f0; t < n; t++)
+        if (j + 1 < hi) {  /* the next page, at a random slot, is fetched while this one is
+                              computed: the hardware prefetchers do not cross pages */
+            const char *nx = (const char *)(pool + (int64_t)idx[e + 1] * 2 * half);
+            for (int64_t o = 0; o < 2 * half * (int64_t)sizeof(T); o += 64)
+                __builtin_prefetch(nx + o, 0, 3);
+        }
+        /* scores s[h*G + g][t]: full pages of 16k tokens 16 keys at a time, one query head at
+           a time (the keys stay in L1 across the group); else each key read once, scored by
+           its group's query heads */
+        int blocked = vec && P % V == 0;
+        if (blocked)
+            for (int t0 = 0; t0 < P; t0 += V)
+                for (int h = 0; h < Hkv; h++)
+                    for (int g = 0; g < G; g++) {
+                        int i = h * G + g;
+                        vf x = CAT(qk16_, NAME)(qb + (int64_t)i * D, kp + t0 * tok + h * D, tok,
+                                                D) * scale;
+                        if (softcap > 0.f)
+                            for (int t = 0; t < V; t++) x[t] = softcap * tanhf(x[t] / softcap);
+                        store_f32(s + i * P + t0, x);
+                    }
+        for (int t = blocked ? n : f0; t < n; t++)
             for (int h = 0; h < Hkv; h++) {
                 const T *kr = kp + t * tok + h * D;
                 for (int g0 = 0; g0 < G; g0 += MAXG) {
@@ -37,13 +130,7 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
                     const float *qg = qb + (int64_t)(h * G + g0) * D;
                     float x[MAXG];
                     if (vec) {
-                        vf a[MAXG];
-                        for (int g = 0; g < gn; g++) a[g] = (vf){0};
-                        for (int d = 0; d < D; d += V) {
-                            vf kv = LOAD(kr + d);
-                            for (int g = 0; g < gn; g++) a[g] += load_f32(qg + g * D + d) * kv;
-                        }
-                        for (int g = 0; g < gn; g++) x[g] = hsum(a[g]);
+                        CASES(CAT(qk_, NAME), qg, kr, D, x)
                     } else {
                         for (int g = 0; g < gn; g++) {
                             float y = 0.f;
@@ -86,15 +173,7 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
             for (int g0 = 0; g0 < G; g0 += MAXG) {
                 int gn = G - g0 < MAXG ? G - g0 : MAXG, i0 = h * G + g0;
                 if (vec) {
-                    for (int d = 0; d < D; d += V) {
-                        vf a[MAXG];
-                        for (int g = 0; g < gn; g++) a[g] = load_f32(acc + (i0 + g) * D + d);
-                        for (int t = f0; t < n; t++) {
-                            vf vv = LOAD(vh0 + t * tok + d);
-                            for (int g = 0; g < gn; g++) a[g] += s[(i0 + g) * P + t] * vv;
-                        }
-                        for (int g = 0; g < gn; g++) store_f32(acc + (i0 + g) * D + d, a[g]);
-                    }
+                    CASES(CAT(pv_, NAME), s + i0 * P, P, vh0, tok, f0, n, D, acc + i0 * D)
                 } else {
                     for (int t = f0; t < n; t++)
                         for (int g = 0; g < gn; g++) {
@@ -161,3 +240,4 @@ int CAT(host_decode_, NAME)(const float *q, const T *pool, const int32_t *idx,
 
 #undef LOAD
 #undef ONE
+#undef CASES
