@@ -361,3 +361,17 @@ def test_split_generation_equals_the_reference(model_type, attend, figures):
         assert stats["split_steps"] > 0 and stats["recall_steps"] == 0
     figures.count(f"HF architectures token-identical with attend={attend!r} (batch 3, "
                   "left-padded)")
+
+
+def test_auto_measures_this_machine_once_per_geometry():
+    """Rates left unset are measured when the cache is built (the link through the cache's
+    engine, the host kernel on a synthetic pool), once per process and geometry."""
+    from tierattn import hostattn
+
+    a = make(auto(hot_budget=0.25))
+    b = make(auto(hot_budget=0.25))
+    key = [k for k in hostattn._RATES if k[2] == tuple(a.hbm.page_shape)]
+    assert len(key) == 1 and hostattn._RATES[key[0]][0] > 0 and hostattn._RATES[key[0]][1] > 0
+    costs = a.planner.costs.as_dict()
+    assert costs["link_bandwidth_Bps"] == b.planner.costs.as_dict()["link_bandwidth_Bps"]
+    assert a.planner.costs.refit and costs["host_observations"] == 0

@@ -238,12 +238,25 @@ class HostAttention:
         self._batches = [None] * self.pages.num_layers
 
 
+#: measured rates per (device, dtype, page shape, threads): a process measures each once
+_RATES: dict[tuple, tuple[float, float]] = {}
+
+
 def measure_rates(host: HostAttention, engine, *, pages: int = 256,
                   repeats: int = 3) -> tuple[float, float]:
     """``(link, host)`` bytes per second on this machine, for the cost model of
     ``attend="auto"``: ``pages`` pages of the cache's geometry copied from host memory to the
     device through the cache's transfer engine (the way recalled pages travel), and attended
-    on the host by one query of four heads per KV head; the best of ``repeats``."""
+    on the host by one query of four heads per KV head; the best of ``repeats``. Measured once
+    per process and geometry (a cache per ``generate`` call does not measure again)."""
+    key = (str(host.device), host.dtype, tuple(host.tiers[0].page_shape), host.threads,
+           type(engine).__name__)
+    if key not in _RATES:
+        _RATES[key] = _measure(host, engine, pages, repeats)
+    return _RATES[key]
+
+
+def _measure(host: HostAttention, engine, pages: int, repeats: int) -> tuple[float, float]:
     tiers, dev = host.tiers, host.device
     shape = tiers[0].page_shape
     src = torch.randn(pages, *shape).to(host.dtype)
