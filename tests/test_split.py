@@ -39,8 +39,8 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d,p", [(6, 2, 32, 8), (9, 3, 64, 16), (4, 1, 24, 5),
-                                        (16, 1, 16, 1), (8, 8, 48, 3)],
-                         ids=["gqa3-d32", "smollm2", "d24", "g16-p1", "mha-d48"])
+                                        (16, 1, 16, 1), (8, 8, 48, 3), (8, 2, 128, 32)],
+                         ids=["gqa3-d32", "smollm2", "d24", "g16-p1", "mha-d48", "d128-p32"])
 def test_host_kernel_equals_the_fp64_reference(dtype, hq, hkv, d, p, seed):
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randn(64, 2, p, hkv, d, generator=gen).to(dtype)

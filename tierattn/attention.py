@@ -152,7 +152,7 @@ class Attention:
         if tabs.cold_pages and planner.due(layer):  # the next choice's estimate
             if scores is None:
                 scores = self._scores(layer, q1, tabs, common)
-            planner.estimate(layer, scores, recall.budget(layer))
+            planner.estimate(layer, scores, recall.budget(layer), tabs.alive_rows)
         tel.kernel_launches += n
         if want_mass:  # merge and page mass in one launch
             return self.importance.merge_decode(layer, parts_o[:n], parts_lse[:n], *merged)
@@ -185,7 +185,7 @@ class Attention:
         (the end of a prompt chunk, ``attend="auto"``): its first decode step chooses by it."""
         if self.planner.auto and tabs.cold_pages:
             self.planner.estimate(layer, self._scores(layer, q1, tabs, common),
-                                  self.policies.recall.budget(layer))
+                                  self.policies.recall.budget(layer), tabs.alive_rows)
 
     def _decode_buffers(self, num_q_heads: int, parts: int) -> tuple:
         """``[parts, B, H_q, D]`` outputs, ``[parts, B, H_q]`` LSEs and the merged pair, kept

@@ -275,7 +275,7 @@ def _measure(host: HostAttention, engine, pages: int, repeats: int) -> tuple[flo
         return nbytes / max(min(times[1:]), 1e-9)
 
     def link() -> None:
-        engine.wait(engine.copy(src, idx.to(src.device), dst, idx))
+        engine.wait(engine.copy(src, idx, dst, idx))  # slot lists live on the device
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 

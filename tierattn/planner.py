@@ -108,16 +108,19 @@ class AttendPlanner:
         choice (every ``adapt_every`` steps)."""
         return self.auto and self._steps[layer] % self.config.adapt_every == 0
 
-    def estimate(self, layer: int, scores: torch.Tensor, k: int) -> None:
+    def estimate(self, layer: int, scores: torch.Tensor, k: int,
+                 alive_rows: torch.Tensor | None = None) -> None:
         """Reduce ``layer``'s sketch scores ``[B, max_pages, H_kv]`` (log masses per KV head,
         -inf past a row's candidates) to the share of the cold mass the ``k`` best pages hold,
-        the smallest over the live sequences, and start its copy to the host."""
+        the smallest over the live sequences (``alive_rows``, on the device; None: every
+        one), and start its copy to the host."""
         w = torch.exp(rank_pages(scores, "lse"))  # [B, n] each page's share (sums to H_kv)
         top = w.topk(min(max(k, 1), w.shape[1]), dim=1).values.sum(1)
         tot = w.sum(1)
         conc = torch.where(tot > 0, top / tot.clamp_min(1e-30), torch.ones_like(tot))
-        alive = self.pages.alive.to(conc.device)
-        conc = torch.where(alive, conc, torch.ones_like(conc)).min().reshape(1)
+        if alive_rows is not None:
+            conc = conc.index_select(0, alive_rows)
+        conc = conc.min().reshape(1)
         host = torch.zeros(1, dtype=conc.dtype, pin_memory=conc.device.type == "cuda")
         self._pending[layer] = (host, self.engine.to_host(conc, host))
 

@@ -71,6 +71,15 @@ static inline vf vexp(vf x) {
     return vsel(under, zero, y);
 }
 
+static inline vf vmax(vf a, vf b) { return vsel(a > b, a, b); }
+static inline float hmax(vf x) {  /* the largest lane: the same tree as hsum */
+    x = vmax(x, __builtin_shuffle(x, (vi){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    x = vmax(x, __builtin_shuffle(x, (vi){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    x = vmax(x, __builtin_shuffle(x, (vi){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+    x = vmax(x, __builtin_shuffle(x, (vi){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+    return x[0];
+}
+
 /* The lane sums of 16 vectors, as one vector (lane t = the sum of x[t]): a transposing tree
    of 15 adds and 30 two-source shuffles, where 16 separate hsums take 64 of each. */
 static inline vf hsum16(vf *x) {

@@ -145,8 +145,37 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
                     }
                 }
             }
-        /* the page's softmax per query head, folded into the running state */
+        /* the page's softmax per query head, folded into the running state: on whole
+           vectors of 16 tokens where the scores came in them (lanes outside [f0, n) set to
+           -inf: they weigh 0), else token by token */
         float pm[Hq];
+        if (blocked) {
+            for (int i = 0; i < Hq; i++) {
+                float *si = s + i * P;
+                for (int t = 0; t < f0; t++) si[t] = -INFINITY;
+                for (int t = n; t < P; t++) si[t] = -INFINITY;
+                vf mx = load_f32(si);
+                for (int c = V; c < P; c += V) mx = vmax(mx, load_f32(si + c));
+                float x = hmax(mx);
+                vf sum = (vf){0};
+                for (int c = 0; c < P; c += V) {
+                    vf e = vexp(load_f32(si + c) - x);
+                    sum += e;
+                    store_f32(si + c, e);
+                }
+                float ps = hsum(sum);
+                if (pl) pl[i] = x + logf(ps);
+                float mn = m[i] > x ? m[i] : x;
+                float alpha = expf(m[i] - mn), beta = expf(x - mn);  /* alpha 0 on a first page */
+                l[i] = l[i] * alpha + ps * beta;
+                m[i] = mn;
+                if (beta != 1.f)
+                    for (int c = 0; c < P; c += V) store_f32(si + c, load_f32(si + c) * beta);
+                if (alpha != 1.f)
+                    for (int d = 0; d < D; d += V)
+                        store_f32(acc + i * D + d, load_f32(acc + i * D + d) * alpha);
+            }
+        } else {
         for (int i = 0; i < Hq; i++) {
             float *si = s + i * P, x = -INFINITY;
             for (int t = f0; t < n; t++) x = si[t] > x ? si[t] : x;
@@ -166,6 +195,7 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
             m[i] = mn;
             for (int t = f0; t < n; t++) si[t] *= beta;
             if (alpha != 1.f) for (int d = 0; d < D; d++) acc[i * D + d] *= alpha;
+        }
         }
         /* acc += p V, the group's accumulators held in registers over the page's tokens */
         for (int h = 0; h < Hkv; h++) {
