@@ -299,8 +299,7 @@ def test_auto_takes_the_cheapest_way_from_the_costs():
     cold, recall, link = 64 << 20, 16 << 20, 1 << 10
 
     def way(conc, link_bps, host_bps):
-        plan = AttendPlanner(cache.config, cache.pages, AttendCosts(link_bps, host_bps),
-                             cache.page_bytes)
+        plan = AttendPlanner(cache.config, cache.pages, AttendCosts(link_bps, host_bps))
         return plan.choose(conc, cold, recall, link)
     assert way(None, 50e9, 150e9) == "split"  # a server: DDR read beats PCIe
     assert way(None, 50e9, 10e9) == "all"  # a weak host: bring the pages

@@ -178,7 +178,7 @@ class TieredKVCache:
             costs = AttendCosts(link, host, link_latency_s=config.link_latency,
                                 host_latency_s=config.host_latency,
                                 refit=config.host_bandwidth is None)
-        self.planner = AttendPlanner(config, self.pages, costs, self.hbm.page_bytes, self.engine)
+        self.planner = AttendPlanner(config, self.pages, costs, self.engine)
         self.attention = Attention(
             pages=self.pages, tiers=self.tiers, importance=self.importance,
             prefetcher=self.prefetcher, policies=self.policies, budgets=self.budgets,

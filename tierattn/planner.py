@@ -44,30 +44,24 @@ class AttendPlanner:
         config: the cache's :class:`~tierattn.config.TierConfig`.
         pages: the page map (lengths, live sequences).
         costs: the cost model (``attend="auto"`` only).
-        page_bytes: bytes of one page.
         engine: the transfer engine, whose asynchronous ``to_host`` brings the estimates back.
     """
 
     def __init__(self, config: TierConfig, pages: PageMap, costs: AttendCosts | None,
-                 page_bytes: int, engine: TransferEngine | None = None) -> None:
-        self.config, self.pages, self.costs, self.page_bytes = config, pages, costs, page_bytes
+                 engine: TransferEngine | None = None) -> None:
+        self.config, self.pages, self.costs = config, pages, costs
         self.engine = engine or CPUTransferEngine()
         self.auto = config.attend == "auto"
         n = pages.num_layers
         self.modes: list[str] = [_FIXED.get(config.attend, "split")] * n
-        self._chosen = [False] * n  # auto: a choice was made from an estimate
         self._steps = [0] * n
         self._pending: list[tuple[torch.Tensor, object] | None] = [None] * n
         #: the last concentration each layer's choice read (None before the first)
         self.estimates: list[float | None] = [None] * n
+        self._host: list[torch.Tensor | None] = [None] * n  # each layer's landing buffer
 
     def mode(self, layer: int) -> str:
         return self.modes[layer]
-
-    @property
-    def splits(self) -> bool:
-        """Whether some layer may attend on the host."""
-        return self.config.attend in ("split", "auto")
 
     # --- decode steps -------------------------------------------------------------------------
 
@@ -85,9 +79,8 @@ class AttendPlanner:
             host, ticket = pend
             self.engine.wait_host(ticket)  # a copy queued a step ago: already landed
             self.estimates[layer] = float(host[0])
-            self._chosen[layer] = True
-        conc = self.estimates[layer] if self._chosen[layer] else None
-        self.modes[layer] = self.choose(conc, cold_bytes, recall_bytes, link_bytes)
+        self.modes[layer] = self.choose(self.estimates[layer], cold_bytes, recall_bytes,
+                                        link_bytes)
         return self.modes[layer]
 
     def choose(self, concentration: float | None, cold_bytes: int, recall_bytes: int,
@@ -121,7 +114,10 @@ class AttendPlanner:
         if alive_rows is not None:
             conc = conc.index_select(0, alive_rows)
         conc = conc.min().reshape(1)
-        host = torch.zeros(1, dtype=conc.dtype, pin_memory=conc.device.type == "cuda")
+        host = self._host[layer]
+        if host is None:  # allocated once (pinned on CUDA): read before the next estimate
+            host = self._host[layer] = torch.zeros(1, dtype=conc.dtype,
+                                                   pin_memory=conc.device.type == "cuda")
         self._pending[layer] = (host, self.engine.to_host(conc, host))
 
     def observe_split(self, nbytes: int, seconds: float) -> None:
@@ -132,7 +128,7 @@ class AttendPlanner:
     def reset(self) -> None:
         n = self.pages.num_layers
         self.modes = [_FIXED.get(self.config.attend, "split")] * n
-        self._chosen, self._steps = [False] * n, [0] * n
+        self._steps = [0] * n
         self._pending, self.estimates = [None] * n, [None] * n
 
     def as_dict(self) -> dict:
