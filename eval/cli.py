@@ -10,6 +10,7 @@
     tierattn bench [--smoke] [--out-root DIR]  data movement per token vs whole-layer offload
     tierattn bench --serving [--smoke]        continuous batching: recompute vs swap vs auto
     tierattn bench --disk [--smoke] [--folder D]  disk tier vs the folder's raw bandwidth
+    tierattn bench --host-attn [--smoke]      split attention's host kernel vs a plain read
     tierattn bench --vllm [--smoke]           vLLM (its own environment): recompute vs tiers
     tierattn serve [--swap-tiers ...] -- ARGS  `transformers serve ARGS` with tierattn.swap
     tierattn models [--types T,...]            every causal-LM type of transformers, patched

@@ -14,7 +14,7 @@ from tierattn.kernels.decode import (
     sparse_decode,
     sparse_decode_reference,
 )
-from tierattn.kernels.host import host_decode, host_decode_available, host_threads
+from tierattn.kernels.host import host_decode, host_decode_available, host_read, host_threads
 from tierattn.kernels.merge import merge_state, merge_states, merge_states_reference
 from tierattn.kernels.metadata import page_metadata, page_metadata_reference
 from tierattn.kernels.page_table import PageTable
@@ -40,6 +40,7 @@ __all__ = [
     "decode_page_mass",
     "host_decode",
     "host_decode_available",
+    "host_read",
     "host_threads",
     "merge_page_mass",
     "merge_page_mass_reference",

@@ -71,3 +71,6 @@ def test_wheel_installs_one_namespace(tmp_path):
     for sub in ("kernels", "models", "eval"):
         assert f"tierattn/{sub}/__init__.py" in names
     assert "tierattn/py.typed" in names and "tierattn/kernels/README.md" in names
+    # the host attention kernel's C source is built on the user's machine: it ships
+    assert {"tierattn/kernels/csrc/host_decode.c",
+            "tierattn/kernels/csrc/host_decode_body.h"} <= set(names)
