@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import Shadow, fail_disk_writes, run_loop
+from helpers import Shadow, run_loop
 
 from tierattn.cache import TieredKVCache
 from tierattn.config import TierConfig, TierSpec
@@ -207,31 +207,47 @@ def test_split_with_left_padding_and_bf16(seed):
     assert cache.stats()["total"]["split_steps"] > 0
 
 
-def test_split_over_disk_pages_and_a_failed_read_is_typed(tmp_path, monkeypatch, seed):
+@pytest.mark.parametrize("prefetch", ["layer_ahead", "none"])
+def test_split_over_disk_pages_and_a_failed_read_is_typed(prefetch, tmp_path, monkeypatch, seed):
+    """Disk pages come into host memory each step (read ahead on the I/O threads while the
+    layer before computes, or at the layer); a read that fails, ahead or not, raises KVIOError
+    at the layer that needs it, and the same call succeeds once the disk answers again."""
     tiers = (TierSpec("hbm"), TierSpec("ddr", capacity_pages=4),
              TierSpec("disk", path=str(tmp_path / "kv")))
     cfg = TierConfig(page_size=4, hot_budget=8, attend="split", tiers=tiers, max_context=128,
-                     backend="torch")
+                     backend="torch", prefetch=prefetch)
     cache, shadow = make(cfg, batch=2), Shadow(L, 2, HKV, D, torch.float32)
     gen = torch.Generator().manual_seed(seed)
     run_loop(cache, shadow, prompt=40, steps=12, hq=HQ, gen=gen, check=exact(shadow, 2e-5))
     assert cache.residency()[0].get("disk", 0) > 0
-    assert cache.stats()["total"]["disk_sync_pages"] > 0  # read where they live, each step
-    k = torch.randn(2, HKV, 1, D, generator=gen)
-    v = torch.randn(2, HKV, 1, D, generator=gen)
-    q = torch.randn(2, HQ, 1, D, generator=gen)
-    cache.update(0, k, v)
-    shadow.append(0, k, v)
+    total = cache.stats()["total"]  # read into host memory each step
+    if prefetch == "none":
+        assert total["disk_sync_pages"] > 0 and total["disk_staged_pages"] == 0
+    else:  # mostly ahead of the layer; at the layer after its cold set changed
+        assert total["disk_staged_pages"] > total["disk_sync_pages"] > 0
     import tierattn.segment as segment
 
     def broken(*a, **kw):
         raise OSError(5, "Input/output error")
     monkeypatch.setattr(segment.Segment, "read_into", broken)
-    with pytest.raises(KVIOError, match="reading pages of the disk tier"):
-        cache.attend(0, q)
-    monkeypatch.undo()  # the disk answers again: the same step succeeds, nothing was lost
-    assert float((cache.attend(0, q).double() - shadow.attend(0, q)).abs().max()) < 2e-5
-    _ = fail_disk_writes  # (the write side is covered by test_disk)
+    failed = None
+    for layer in range(L):
+        k, v, q = (torch.randn(2, h, 1, D, generator=gen) for h in (HKV, HKV, HQ))
+        cache.update(layer, k, v)
+        shadow.append(layer, k, v)
+        if failed is None:
+            try:
+                cache.attend(layer, q)
+                continue
+            except KVIOError as e:
+                assert "reading pages of the disk tier" in str(e)
+                failed = layer
+                monkeypatch.undo()  # the disk answers again: the same call succeeds
+        out = cache.attend(layer, q)
+        assert float((out.double() - shadow.attend(layer, q)).abs().max()) < 2e-5
+    # at layer 0 without read-ahead; with it, at the first layer whose read started after the
+    # disk broke (layer 1, unless layer 0's cold set changed since its read)
+    assert failed == 0 if prefetch == "none" else failed in (0, 1)
 
 
 # --- attend="auto" -------------------------------------------------------------------------------

@@ -399,8 +399,13 @@ class TieredKVCache:
             return
         nxt = (layer + 1) % self.num_layers
         mode = self.planner.mode(nxt)
-        if mode == "split" or self.pages.length(nxt) == 0 or (nxt == 0 and not decode) or \
-                (self.config.recalls and not decode):
+        if self.pages.length(nxt) == 0 or (nxt == 0 and not decode):
+            return
+        if mode == "split":  # nothing crosses the link; disk pages come into host memory
+            if self.mover.on_disk(nxt):
+                self.host.read_ahead(nxt)
+            return
+        if self.config.recalls and not decode:
             return
         tabs = self._tables(nxt)
         if tabs.cold_pages:

@@ -9,8 +9,10 @@ the device to merge with its hot set's. Exact at any budget: the link carries qu
 states, never KV.
 
 The cold pages of a layer are listed per tier from the host map (:class:`HostBatch`), rebuilt
-only when the layer's pages changed (a structural edit: at most a few times per page filled). A
-decode step of a split layer starts the query's copy before the device's hot-set kernel, so the
+only when the layer's cold set changed (a demotion, an eviction: at most a few times per page
+filled);
+disk pages are read into host memory on the disk tiers' I/O threads while the layers before
+compute (:meth:`HostAttention.read_ahead`, from the layer-ahead prefetch). A decode step of a split layer starts the query's copy before the device's hot-set kernel, so the
 host computes while the device attends; its round trip (the query's copy awaited, the host
 kernel, the partial state's copy) cannot be captured in a CUDA graph. Prompt chunks attend their
 cold pages on the host too (the torch reference of the prefill kernel, which is compute-bound
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tierattn import validate
 from tierattn.kernels import KernelSet, PageTable
 from tierattn.mover import Mover
 from tierattn.pagemap import PageMap
@@ -65,9 +68,10 @@ class HostAttention:
             dtype, device
         self.threads = threads
         self.pinned = device.type == "cuda"  # the query and the partial state cross the link
-        self._batches: list[tuple[tuple[int, int], list[HostBatch]] | None] = \
-            [None] * pages.num_layers
+        self._batches: list[tuple[int, list[HostBatch]] | None] = [None] * pages.num_layers
         self._query: torch.Tensor | None = None  # pinned host copy of a decode query
+        #: (layer, disk tier) -> (its batch, host buffer, the read in flight)
+        self._ahead: dict[tuple[int, int], tuple[HostBatch, torch.Tensor, object]] = {}
         self._event = None
         #: seconds and bytes of the last decode's host attention (the cost model's observation)
         self.last: tuple[int, float] | None = None
@@ -75,9 +79,9 @@ class HostAttention:
     # --- the cold pages, per tier ---------------------------------------------------------------
 
     def batches(self, layer: int) -> list[HostBatch]:
-        """``layer``'s cold pages per lower tier (rebuilt when its pages changed)."""
+        """``layer``'s cold pages per lower tier (rebuilt when its cold set changed)."""
         st = self.pages.layers[layer]
-        key = (st.version, st.cold_version)
+        key = st.cold_version  # every edit of the cold set (or of padding, liveness) bumps it
         cached = self._batches[layer]
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -113,14 +117,35 @@ class HostAttention:
         """KV bytes of ``layer``'s cold pages (what a split step scans, a full recall moves)."""
         return sum(b.pages for b in self.batches(layer)) * self.tiers[0].page_bytes
 
+    def read_ahead(self, layer: int) -> None:
+        """Start reading ``layer``'s disk pages into host memory on the disk tiers' I/O threads
+        while the layers before it compute; its attend takes them if its pages are unchanged."""
+        for hb in self.batches(layer):
+            if hb.reads is None:
+                continue
+            tier = self.tiers[hb.tier]
+            buf = torch.empty(hb.pages, *tier.page_shape, dtype=self.dtype)
+            fut = tier.read_async(layer, *hb.reads, buf, list(range(hb.pages)))
+            self._ahead[(layer, hb.tier)] = (hb, buf, fut)
+
     def _pool(self, layer: int, hb: HostBatch) -> torch.Tensor:
+        """The pool ``hb``'s table indexes: a memory tier's own, or its disk pages in host
+        memory (read ahead, or now); a failed read raises :class:`KVIOError`."""
         tier = self.tiers[hb.tier]
         if hb.reads is None:
             return tier.pool(layer)
-        slots, starts = hb.reads
         tel = self.telemetry.layers[layer]
-        tel.disk_sync_pages += len(slots)
-        return Mover._read(tier, layer, slots, starts).contiguous()  # a failure: KVIOError
+        ahead = self._ahead.pop((layer, hb.tier), None)
+        if ahead is not None and ahead[0] is hb:  # the same pages: read while others computed
+            try:
+                ahead[2].result()
+            except OSError as e:
+                raise validate.io_error(
+                    e, f"layer {layer}: reading pages of the {tier.kind} tier") from e
+            tel.disk_staged_pages += hb.pages
+            return ahead[1]
+        tel.disk_sync_pages += hb.pages
+        return Mover._read(tier, layer, *hb.reads).contiguous()  # a failure: KVIOError
 
     # --- decode -----------------------------------------------------------------------------------
 
@@ -234,7 +259,11 @@ class HostAttention:
                 self.telemetry.layers[layer].kernel_launches += 1
 
     def reset(self) -> None:
-        """Forget the cached tables (after a load, a reorder or a reset)."""
+        """Forget the cached tables and the reads ahead (after a load, a reorder or a reset;
+        a read in flight is let finish first)."""
+        for _, _, fut in self._ahead.values():
+            fut.exception()
+        self._ahead.clear()
         self._batches = [None] * self.pages.num_layers
 
 
