@@ -496,27 +496,28 @@ def section_split(ctx: dict) -> dict:
            "ms_per_split_layer_step": 1e3 * statistics.median(t_split) if t_split else None,
            "host_kernel_compiled": host_decode_available(), "host_threads": host_threads()}
     del caches
+    def rate(nbytes: int, fn) -> float:  # bytes per second, the best of 3 after a warm-up
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return nbytes / min(times)
+
     rates = {}
     tokens = 1024 if tiny else 32768
     pages = tokens // 16
+    table = PageTable(indices=torch.randperm(pages).to(torch.int32),
+                      row_start=torch.zeros(1, dtype=torch.int32),
+                      row_count=torch.full((1,), pages, dtype=torch.int32),
+                      last_page_len=torch.full((1,), 16, dtype=torch.int32))
     for dt in (torch.bfloat16, torch.float32):
         pool = torch.randn(pages, 2, 16, hkv, d).to(dt)
-        table = PageTable(indices=torch.randperm(pages).to(torch.int32),
-                          row_start=torch.zeros(1, dtype=torch.int32),
-                          row_count=torch.full((1,), pages, dtype=torch.int32),
-                          last_page_len=torch.full((1,), 16, dtype=torch.int32))
         q = torch.randn(1, hq, d).to(dt)
-
-        def best(fn) -> float:
-            fn()
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return pool.numel() * pool.element_size() / min(times)
-        a = best(lambda: host_decode(q, pool, table, validate=False))
-        r = best(lambda: host_read(pool, table)) if host_decode_available() else None
+        nbytes = pool.numel() * pool.element_size()
+        a = rate(nbytes, lambda p=pool, q=q: host_decode(q, p, table, validate=False))
+        r = rate(nbytes, lambda p=pool: host_read(p, table)) if host_decode_available() else None
         rates[str(dt).split(".")[-1]] = {"tokens": tokens, "host_decode_Bps": a, "read_Bps": r,
                                          "ratio": a / r if r else None}
     res["host_rates"] = rates

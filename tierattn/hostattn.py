@@ -10,11 +10,11 @@ states, never KV.
 
 The cold pages of a layer are listed per tier from the host map (:class:`HostBatch`), rebuilt
 only when the layer's cold set changed (a demotion, an eviction: at most a few times per page
-filled);
-disk pages are read into host memory on the disk tiers' I/O threads while the layers before
-compute (:meth:`HostAttention.read_ahead`, from the layer-ahead prefetch). A decode step of a split layer starts the query's copy before the device's hot-set kernel, so the
-host computes while the device attends; its round trip (the query's copy awaited, the host
-kernel, the partial state's copy) cannot be captured in a CUDA graph. Prompt chunks attend their
+filled); disk pages are read into host memory on the disk tiers' I/O threads while the layers
+before compute (:meth:`HostAttention.read_ahead`, from the layer-ahead prefetch). A decode step
+of a split layer starts the query's copy before the device's hot-set kernel, so the host
+computes while the device attends; its round trip (the query's copy awaited, the host kernel,
+the partial state's copy) cannot be captured in a CUDA graph. Prompt chunks attend their
 cold pages on the host too (the torch reference of the prefill kernel, which is compute-bound
 there anyway), and so does their attention mass, so importance follows as with recall.
 """
