@@ -577,6 +577,83 @@ def _display(row: dict) -> dict:
     return out
 
 
+def device_check(dev: torch.device, *, tiny: bool = False) -> dict:
+    """Split attention on ``dev`` (the GPU check's ``split`` section): ``attend="split"``
+    against the all-resident cache there, step by step (the query's copy to the host, the host
+    kernel, the partial state back, the merge), and the host kernel's rate against a plain read
+    of the same pages with this machine's cores (``host_read``), bf16 and fp32, Llama-8B heads
+    (``tiny``: toy sizes). Returns the figures as a dict."""
+    from tierattn.cache import TieredKVCache
+    from tierattn.config import TierConfig
+    from tierattn.kernels.host import host_threads
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    layers, hq, hkv, d = (2, 4, 2, 32) if tiny else (4, 32, 8, 128)
+    context, steps = (256, 8) if tiny else (4096, 16)
+    backend = "auto" if dev.type == "cuda" else "torch"
+    common = dict(page_size=16, max_context=context + steps + 16, prefill_chunk_size=1024,
+                  backend=backend)
+    caches = {name: TieredKVCache(cfg, num_layers=layers, num_kv_heads=hkv, head_dim=d,
+                                  dtype=torch.bfloat16, device=dev)
+              for name, cfg in (("dense", TierConfig.preset("dense", **common)),
+                                ("split", TierConfig.preset("split", hot_budget=0.25, **common)))}
+    gen = torch.Generator(device=dev).manual_seed(2)
+    worst, t_split = 0.0, []
+    for t in [1024] * (context // 1024) + [context % 1024] + [1] * steps:
+        if not t:
+            continue
+        for layer in range(layers):
+            k, v, q = (torch.randn(1, h, t, d, dtype=torch.bfloat16, device=dev, generator=gen)
+                       for h in (hkv, hkv, hq))
+            outs = {}
+            for name, cache in caches.items():
+                cache.update(layer, k, v)
+                sync()
+                t0 = time.perf_counter()
+                outs[name] = cache.attend(layer, q)
+                sync()
+                if name == "split" and t == 1:
+                    t_split.append(time.perf_counter() - t0)
+            ref = outs["dense"].double()
+            err = (outs["split"].double() - ref).norm() / ref.norm().clamp_min(1e-30)
+            worst = max(worst, float(err))
+    tot = caches["split"].stats()["total"]
+    res = {"context": context, "layers": layers, "max_rel_err_vs_resident": worst,
+           "split_steps": tot["split_steps"], "h2d_bytes": tot["h2d_bytes"],
+           "ms_per_split_layer_step": 1e3 * statistics.median(t_split) if t_split else None,
+           "host_kernel_compiled": host_decode_available(), "host_threads": host_threads()}
+    del caches
+
+    def rate(nbytes: int, fn) -> float:  # bytes per second, the best of 3 after a warm-up
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return nbytes / min(times)
+
+    rates = {}
+    tokens = 1024 if tiny else 32768
+    pages = tokens // 16
+    table = PageTable(indices=torch.randperm(pages).to(torch.int32),
+                      row_start=torch.zeros(1, dtype=torch.int32),
+                      row_count=torch.full((1,), pages, dtype=torch.int32),
+                      last_page_len=torch.full((1,), 16, dtype=torch.int32))
+    for dt in (torch.bfloat16, torch.float32):
+        pool = torch.randn(pages, 2, 16, hkv, d).to(dt)
+        q = torch.randn(1, hq, d).to(dt)
+        nbytes = pool.numel() * pool.element_size()
+        a = rate(nbytes, lambda p=pool, q=q: host_decode(q, p, table, validate=False))
+        r = rate(nbytes, lambda p=pool: host_read(p, table)) if host_decode_available() else None
+        rates[str(dt).split(".")[-1]] = {"tokens": tokens, "host_decode_Bps": a, "read_Bps": r,
+                                         "ratio": a / r if r else None}
+    res["host_rates"] = rates
+    return res
+
+
 def hostattn_summary(result: dict) -> str:
     """The printed report of :func:`run_hostattn_bench`: the measured table, the ratios the
     model uses, one modeled table per profile, where the files are."""
