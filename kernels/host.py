@@ -10,9 +10,9 @@ row per sequence, first lanes, the page-LSE scatter, softcap) on CPU tensors. It
 (``csrc/host_decode.c``), compiled on first use with the machine's C compiler -- the one Triton
 itself needs -- for this CPU (``-march=native``, OpenMP threads) and cached in
 ``$TIERATTN_CACHE_DIR`` (default ``~/.cache/tierattn``). Tasks of (sequence, split of its pages)
-run in parallel; each page is read once, every query head of a GQA group scored against each key
-in one pass, with an online softmax per page; bf16 and fp16 pages are widened to fp32 as they are
-read. Without a compiler it falls back, with one warning, to the plain-torch reference
+run in parallel; each page is read once from memory (the next one prefetched), scored against
+every query head of its GQA groups while its keys sit in L1, with an online softmax per page;
+bf16 and fp16 pages are widened to fp32 as they are read. Without a compiler it falls back, with one warning, to the plain-torch reference
 (:func:`~tierattn.kernels.sparse_decode_reference`), with the same results;
 :func:`host_decode_available` tells which path runs.
 """
