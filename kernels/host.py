@@ -12,7 +12,8 @@ itself needs -- for this CPU (``-march=native``, OpenMP threads) and cached in
 ``$TIERATTN_CACHE_DIR`` (default ``~/.cache/tierattn``). Tasks of (sequence, split of its pages)
 run in parallel; each page is read once from memory (the next one prefetched), scored against
 every query head of its GQA groups while its keys sit in L1, with an online softmax per page;
-bf16 and fp16 pages are widened to fp32 as they are read. Without a compiler it falls back, with one warning, to the plain-torch reference
+bf16 and fp16 pages are widened to fp32 as they are read. Without a compiler it falls back,
+with one warning, to the plain-torch reference
 (:func:`~tierattn.kernels.sparse_decode_reference`), with the same results;
 :func:`host_decode_available` tells which path runs.
 """
