@@ -153,7 +153,7 @@ def _workloads(spec: VllmBenchSpec, ids: list[int]) -> dict:
 
 def _transfer_config(policy: str, spec: VllmBenchSpec, disk: Path):
     from tierattn.config import TierSpec
-    from tierattn.models.vllm_offload import vllm_kv_transfer_config
+    from tierattn.models.vllm import vllm_kv_transfer_config
 
     if policy == "vllm":
         return None

@@ -81,9 +81,16 @@ _TORCH_EMPTY = torch.empty
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+#: allocations at least this large are left unfilled: they are address space a growing host
+#: tier reserves (:class:`tierattn.tiers.MemoryTier`), which filling would commit whole
+POISON_LIMIT = 1 << 30
+
+
 def nan_like_empty(*args, **kwargs) -> torch.Tensor:
     """``torch.empty`` that fills NaN (floats) or a sentinel (ints): unwritten memory shows."""
     t = _TORCH_EMPTY(*args, **kwargs)
+    if t.numel() * t.element_size() >= POISON_LIMIT:
+        return t
     if t.is_floating_point():
         t.fill_(float("nan"))
     elif t.dtype != torch.bool and not t.is_complex():

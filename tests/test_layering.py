@@ -2,7 +2,7 @@
 imports included, and no cycle anywhere.
 
     errors -> config -> kernels -> tiers/transfer (segment, kvfile, telemetry, costmodel) ->
-    pagemap/validate -> mover/staging -> prefetch/hostattn/swapcore ->
+    pagemap/validate -> mover/staging/swaptiers -> prefetch/hostattn/swapcore ->
     importance/policy/planner -> attention/graphs ->
     snapshot -> cache -> models -> eval
 
@@ -29,7 +29,7 @@ LAYERS = [
     ["tierattn.costmodel", "tierattn.kvfile", "tierattn.segment", "tierattn.telemetry",
      "tierattn.tiers", "tierattn.transfer"],
     ["tierattn.pagemap", "tierattn.validate"],
-    ["tierattn.mover", "tierattn.staging"],
+    ["tierattn.mover", "tierattn.staging", "tierattn.swaptiers"],
     ["tierattn.prefetch", "tierattn.hostattn", "tierattn.swapcore"],
     ["tierattn.importance", "tierattn.policy", "tierattn.planner"],
     ["tierattn.attention", "tierattn.graphs"],

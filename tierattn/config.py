@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from tierattn.errors import TierConfigError
 
-__all__ = ["PRESETS", "TierConfig", "TierSpec", "parse_tiers"]
+__all__ = ["PRESETS", "SwapConfig", "TierConfig", "TierSpec", "parse_tiers"]
 
 Attend = Literal["all", "topk", "split", "auto"]
 Score = Literal["mass", "quest", "hybrid"]
@@ -450,3 +451,55 @@ PRESETS: dict[str, dict] = {
     "evict-rkv": {"hot_budget": 0.5, "evict_budget": 0.5, "evict_policy": "rkv",
                   "tiers": _tiers("hbm")},
 }
+
+#: what a serving engine does with a preempted request's KV (:class:`SwapConfig`)
+SWAP_POLICIES = ("auto", "swap", "recompute")
+SwapPolicy = Literal["auto", "swap", "recompute"]
+SWAP_TIER_KINDS = ("ddr", "cxl", "disk")
+
+
+@dataclass(frozen=True)
+class SwapConfig:
+    """Where preempted sequences' KV goes, and when.
+
+    Attributes:
+        tiers: fastest first, kinds ``"ddr"``, ``"cxl"``, ``"disk"`` (a name or a
+            :class:`~tierattn.config.TierSpec`; a disk tier needs ``path``). A full tier spills
+            into the next; when every tier is full the request is recomputed. Capacities:
+            ``capacity_gib`` (or ``capacity_pages``, in swap slots); by default DDR and CXL
+            may hold up to half the host's physical memory, committed as blocks arrive (pinned
+            on CUDA: four engine KV pools, reserved at start), disk four KV pools (at most 90%
+            of the folder's free space) -- :func:`tierattn.swaptiers.swap_capacities`.
+        policy: ``"auto"`` swaps a victim when the measured store + load time is below the
+            measured time to prefill its tokens again, ``"swap"`` whenever a tier has room,
+            ``"recompute"`` never (the engines' default).
+        calibration: a calibration file (:meth:`~tierattn.costmodel.CostModel.save`, written
+            by ``tierattn bench --serving``) whose transfer costs stand until this run has
+            measured its own; None probes each tier when the store is built (``"auto"``).
+        probe_slots: slots per calibration probe (probes of 1 and of this many slots, three
+            times each).
+        backend: the page-copy kernel's backend (``"auto"``, ``"triton"``, ``"torch"``).
+    """
+
+    tiers: tuple[TierSpec | str, ...] = ("ddr",)
+    policy: SwapPolicy = "auto"
+    calibration: str | os.PathLike | None = None
+    probe_slots: int = 8
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiers", parse_tiers(self.tiers, knob="SwapConfig.tiers",
+                                                      kinds=SWAP_TIER_KINDS))
+        if self.policy not in SWAP_POLICIES:
+            raise TierConfigError(f"SwapConfig.policy: {self.policy!r} is not one of "
+                                  f"{SWAP_POLICIES}.")
+        if self.calibration is not None and not Path(self.calibration).is_file():
+            raise TierConfigError(f"SwapConfig.calibration: {str(self.calibration)!r} is not a "
+                                  "file; give a calibration JSON or None to measure at start.")
+        if isinstance(self.probe_slots, bool) or not isinstance(self.probe_slots, int) or \
+                self.probe_slots < 1:
+            raise TierConfigError(f"SwapConfig.probe_slots: must be an int >= 1, got "
+                                  f"{self.probe_slots!r}.")
+        if self.backend not in ("auto", "triton", "torch"):
+            raise TierConfigError(f"SwapConfig.backend: {self.backend!r} is not one of "
+                                  "('auto', 'triton', 'torch').")

@@ -6,9 +6,10 @@ sequence's KV in its tiers instead of dropping it, when keeping it is cheaper:
 * :class:`SwapStore` sees the engine's KV cache as a pool of slots ``[N, 2, T, H_kv, D]`` (an
   engine block, or an equal share of one) and a request's KV as a list of slots. ``store``
   copies them into the first tiers with room -- DDR, CXL (pinned on CUDA), then disk -- one
-  copy launch per tier through the :class:`~tierattn.mover.Mover`, all or nothing; ``load``
-  copies them back into the slots the engine allocated when the request resumes, and frees
-  the tiers' slots.
+  copy launch per tier through :class:`~tierattn.swaptiers.SwapTiers` (the tiers, their
+  default capacities, timing and probes, shared with vLLM's connector), all or nothing;
+  ``load`` copies them back into the slots the engine allocated when the request resumes,
+  and frees the tiers' slots.
 * :class:`Swapper` decides, per victim: swap when the measured store + load time is below the
   measured recompute time (``policy="auto"``, :mod:`tierattn.costmodel`), or always / never
   (``"swap"`` / ``"recompute"``). A request that finds every tier full, or whose store or load
@@ -17,8 +18,9 @@ sequence's KV in its tiers instead of dropping it, when keeping it is cheaper:
   measured costs, so the model can be checked.
 
 Engine adapters (``tierattn.models.continuous`` for transformers' continuous batching) only
-translate the engine's calls into these. A tier here is a cache of the running process: its
-slots and files live as long as the store.
+translate the engine's calls into these; vLLM's connector (``tierattn.models.vllm``) uses the
+same tiers and counters under vLLM's own offloading manager contract. A tier here is a cache
+of the running process: its slots and files live as long as the store.
 """
 
 from __future__ import annotations
@@ -26,84 +28,28 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import torch
 
-from tierattn.config import TierSpec, parse_tiers
-from tierattn.costmodel import CostModel, Stopwatch, attention_work
-from tierattn.errors import (KernelInputError, KVCapacityError, KVFileError, KVIOError,
-                             TierConfigError)
+from tierattn.config import SwapConfig
+from tierattn.costmodel import CostModel, attention_work
+from tierattn.errors import KernelInputError, KVCapacityError, KVFileError, KVIOError
 from tierattn.kernels._common import FLOAT_DTYPES
-from tierattn.mover import Mover
 from tierattn.pagemap import HOT
-from tierattn.telemetry import Telemetry
-from tierattn.tiers import MemoryTier, build_tier
-from tierattn.transfer import TransferEngine, default_engine
+from tierattn.swaptiers import SwapCounters, SwapTiers
+from tierattn.transfer import TransferEngine
 
-__all__ = ["Decision", "SwapConfig", "SwapLog", "SwapStore", "Swapper"]
+__all__ = ["Decision", "SwapConfig", "SwapLog", "SwapStore", "Swapper"]  # SwapConfig: config
 
-Policy = Literal["auto", "swap", "recompute"]
-POLICIES = ("auto", "swap", "recompute")
 #: one INFO line per decision (``tierattn serve`` shows them)
 logger = logging.getLogger("tierattn.swap")
-SWAP_TIER_KINDS = ("ddr", "cxl", "disk")
-#: default disk capacity, in KV pools: a disk tier is not allocated up front
-DISK_POOLS = 4
 #: decisions a log keeps, with their costs
 DECISIONS_KEPT = 10_000
-
-
-@dataclass(frozen=True)
-class SwapConfig:
-    """Where preempted sequences' KV goes, and when.
-
-    Attributes:
-        tiers: fastest first, kinds ``"ddr"``, ``"cxl"``, ``"disk"`` (a name or a
-            :class:`~tierattn.config.TierSpec`; a disk tier needs ``path``). A full tier spills
-            into the next; when every tier is full the request is recomputed. Capacities:
-            ``capacity_gib`` (or ``capacity_pages``, in swap slots); by default DDR and CXL
-            hold as much as the engine's KV pool, disk four times that (at most 90% of the
-            folder's free space).
-        policy: ``"auto"`` swaps a victim when the measured store + load time is below the
-            measured time to prefill its tokens again, ``"swap"`` whenever a tier has room,
-            ``"recompute"`` never (the engines' default).
-        calibration: a calibration file (:meth:`~tierattn.costmodel.CostModel.save`, written
-            by ``tierattn bench --serving``) whose transfer costs stand until this run has
-            measured its own; None probes each tier when the store is built (``"auto"``).
-        probe_slots: slots per calibration probe (probes of 1 and of this many slots, three
-            times each).
-        backend: the page-copy kernel's backend (``"auto"``, ``"triton"``, ``"torch"``).
-    """
-
-    tiers: tuple[TierSpec | str, ...] = ("ddr",)
-    policy: Policy = "auto"
-    calibration: str | os.PathLike | None = None
-    probe_slots: int = 8
-    backend: str = "auto"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tiers", parse_tiers(self.tiers, knob="SwapConfig.tiers",
-                                                      kinds=SWAP_TIER_KINDS))
-        if self.policy not in POLICIES:
-            raise TierConfigError(f"SwapConfig.policy: {self.policy!r} is not one of "
-                                  f"{POLICIES}.")
-        if self.calibration is not None and not Path(self.calibration).is_file():
-            raise TierConfigError(f"SwapConfig.calibration: {str(self.calibration)!r} is not a "
-                                  "file; give a calibration JSON or None to measure at start.")
-        if isinstance(self.probe_slots, bool) or not isinstance(self.probe_slots, int) or \
-                self.probe_slots < 1:
-            raise TierConfigError(f"SwapConfig.probe_slots: must be an int >= 1, got "
-                                  f"{self.probe_slots!r}.")
-        if self.backend not in ("auto", "triton", "torch"):
-            raise TierConfigError(f"SwapConfig.backend: {self.backend!r} is not one of "
-                                  "('auto', 'triton', 'torch').")
 
 
 @dataclass
@@ -132,38 +78,17 @@ class SwapStore:
                 "SwapStore: pool must be the engine's KV viewed as [N, 2, T, H_kv, D] in a "
                 f"float dtype, got {getattr(pool, 'shape', pool)!r}.")
         self.config, self.pool, self.device = config, pool, pool.device
-        page_shape = tuple(pool.shape[1:])
-        self.slot_bytes = pool[0].numel() * pool.element_size()
         #: files of a disk tier are named under this, unique to the store
         self.fingerprint = f"swap-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        tiers = [MemoryTier.over("hbm", pool.unsqueeze(0))]
-        for spec in config.tiers:
-            cap = spec.capacity(self.slot_bytes)
-            if cap is None:
-                cap = self._default_capacity(spec, pool.shape[0])
-            tiers.append(build_tier(spec, num_layers=1, capacity=cap, page_shape=page_shape,
-                                    dtype=pool.dtype, device=self.device,
-                                    fingerprint=self.fingerprint))
-        self.tiers = tiers
-        self.telemetry = Telemetry(1, tier_kinds=tuple(t.kind for t in tiers),
-                                   page_bytes=self.slot_bytes)
-        engine = engine or default_engine(self.device, None if config.backend == "auto"
-                                          else config.backend)
-        self.mover = Mover(tiers, None, engine, self.telemetry, self.device)
-        self.watch = Stopwatch(self.device)
+        self.swap = SwapTiers(config, [pool], fingerprint=self.fingerprint, engine=engine)
+        self.tiers, self.mover, self.watch = self.swap.tiers, self.swap.mover, self.swap.watch
+        self.telemetry, self.slot_bytes = self.swap.telemetry, self.swap.slot_bytes
         self.entries: dict[str, _Entry] = {}
-
-    def _default_capacity(self, spec: TierSpec, pool_slots: int) -> int:
-        if spec.kind != "disk":
-            return pool_slots
-        Path(spec.path).mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(spec.path).free
-        return min(DISK_POOLS * pool_slots, int(0.9 * free) // self.slot_bytes)
 
     @property
     def kinds(self) -> tuple[str, ...]:
         """The swap tiers' kinds, fastest first."""
-        return tuple(t.kind for t in self.tiers[1:])
+        return self.swap.kinds
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self.entries
@@ -190,29 +115,14 @@ class SwapStore:
 
     # --- moving -----------------------------------------------------------------------------
 
-    def _copy(self, src: int, src_slots: torch.Tensor, positions: torch.Tensor, dst,
-              dst_slots: torch.Tensor, done) -> None:
-        """One batched copy of slots ``src_slots`` of tier ``src`` into ``dst_slots`` of
-        ``dst`` (a tier, or a device buffer), timed: ``done(kind, direction, bytes, seconds)``
-        with the swap tier's kind and ``"store"`` (out of the pool) or ``"load"``.
-        ``positions``: each slot's place in its request (a disk file records it)."""
-        stream = getattr(self.mover.engine, "stream", None)
-        if stream is not None:  # start timing once the copy stream has caught up
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        start = self.watch.start(stream)
-        self.mover.copy(0, src, src_slots, positions * self.tiers[HOT].page_shape[1], dst,
-                        dst_slots)
-        kind, direction = (dst.kind, "store") if src == HOT else (self.tiers[src].kind, "load")
-        nbytes = len(src_slots) * self.slot_bytes
-        self.watch.stop(start, lambda s: done(kind, direction, nbytes, s), stream)
-
     def store(self, request_id: str, slots: Sequence[int], done) -> list[tuple[str, int]]:
         """Copy pool ``slots`` of ``request_id`` into the tiers (fastest first, spilling);
         ``done(kind, "store", bytes, seconds)`` is called per tier copy. Returns ``(kind,
         bytes)`` per tier used.
 
         Raises:
-            KVCapacityError: the tiers have no room for them (nothing changed).
+            KVCapacityError: the tiers have no room for them, or a memory tier cannot grow
+                into them (nothing changed).
             KVIOError: a copy failed (a full disk, an I/O error); rolled back: no slot or file
                 is left behind.
         """
@@ -223,17 +133,23 @@ class SwapStore:
         if plan is None:
             raise KVCapacityError(
                 f"swap tiers are full: {len(slots)} slots of {self.slot_bytes} B needed, free "
-                f"{self.free_slots()}; raise their capacity_gib or add a tier.")
+                f"{self.free_slots()}; raise SwapConfig.tiers' capacity_gib or add a tier.")
         src = torch.tensor(list(slots), dtype=torch.long)
         parts, first = [], 0
-        for t, k in plan:
-            parts.append((t, self.tiers[t].alloc(0, k), first))
-            first += k
+        try:
+            for t, k in plan:
+                parts.append((t, self.tiers[t].alloc(0, k), first))
+                first += k
+        except KVCapacityError:  # a memory tier could not grow: give back what was taken
+            for t, taken, _ in parts:
+                self.tiers[t].release(0, taken)
+            raise
 
         def copies() -> None:
             for t, dst, at in parts:
                 pos = torch.arange(at, at + len(dst))
-                self._copy(HOT, src[pos], pos, self.tiers[t], torch.tensor(dst), done)
+                self.swap.wait(self.swap.copy(HOT, src[pos], pos * self.pool.shape[2], t,
+                                              torch.tensor(dst), done))
 
         self.mover.atomic(0, [(t, dst) for t, dst, _ in parts], copies)
         self.entries[request_id] = _Entry(parts, len(slots))
@@ -260,8 +176,9 @@ class SwapStore:
                 pos = torch.arange(at, at + len(slots))
                 keep = dst_all[pos] >= 0
                 if keep.any():
-                    self._copy(t, torch.tensor(slots)[keep], pos[keep], self.tiers[HOT],
-                               dst_all[pos][keep], done)
+                    self.swap.wait(self.swap.copy(t, torch.tensor(slots)[keep],
+                                                  pos[keep] * self.pool.shape[2], HOT,
+                                                  dst_all[pos][keep], done))
                     moved.append((self.tiers[t].kind, int(keep.sum()) * self.slot_bytes))
         finally:
             self._release(entry)
@@ -280,36 +197,15 @@ class SwapStore:
     def close(self) -> None:
         """Forget every request and delete the disk tiers' segment files."""
         self.clear()
-        for t in self.tiers:
-            t.close()
+        self.swap.close()
 
     def _release(self, entry: _Entry) -> None:
         for t, slots, _ in entry.parts:
             self.tiers[t].release(0, slots)
 
-    # --- calibration ------------------------------------------------------------------------
-
     def calibrate(self, costs: CostModel, *, probe_slots: int, repeats: int = 3) -> None:
-        """Time stores and loads of 1 and ``probe_slots`` slots into each tier (reading pool
-        slot 0 onwards, loading into a scratch buffer, so the engine's KV is untouched) and
-        feed them to ``costs``."""
-        for t in range(1, len(self.tiers)):
-            k = min(probe_slots, self.tiers[t].num_free(0), self.pool.shape[0])
-            if k < 1:
-                continue
-            scratch = torch.zeros((k, *self.pool.shape[1:]), dtype=self.pool.dtype,
-                                  device=self.device)
-            for n in sorted({1, k}):
-                pos = torch.arange(n)
-                for _ in range(repeats):
-                    dst = torch.tensor(self.tiers[t].alloc(0, n))
-                    try:
-                        self._copy(HOT, pos, pos, self.tiers[t], dst, costs.observe_transfer)
-                        self._copy(t, dst, pos, scratch, pos, costs.observe_transfer)
-                    finally:
-                        self.tiers[t].release(0, dst.tolist())
-        self.watch.poll(wait=True)
-        self.telemetry.reset()  # probes are not swaps
+        """Feed ``costs`` probes of each tier (:meth:`SwapTiers.calibrate`)."""
+        self.swap.calibrate(costs.observe_transfer, probe_slots=probe_slots, repeats=repeats)
 
 
 @dataclass
@@ -353,18 +249,16 @@ class Decision:
 
 @dataclass
 class SwapLog:
-    """Counters of a :class:`Swapper` (what ``handle.stats()`` reports)."""
+    """Counters of a :class:`Swapper` (what ``handle.stats()`` reports): per request, and what
+    moved through the tiers (:class:`~tierattn.swaptiers.SwapCounters`, as vLLM's connector
+    counts it; ``moved.no_room`` counts the recomputes because no tier had room)."""
 
     swapped_out: int = 0  # requests stored into the tiers
     swapped_in: int = 0  # requests loaded back
     swapped_blocks: int = 0  # engine blocks stored
     recomputed_requests: int = 0
     recomputed_tokens: int = 0  # tokens prefilled again by recomputed requests
-    tiers_full: int = 0  # recomputes because no tier had room
-    store_faults: int = 0
-    load_faults: int = 0
-    stored_bytes: dict[str, int] = field(default_factory=dict)
-    loaded_bytes: dict[str, int] = field(default_factory=dict)
+    moved: SwapCounters = field(default_factory=SwapCounters)
     #: the most recent decisions (a server runs for days: older ones are only counted)
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=DECISIONS_KEPT))
 
@@ -444,7 +338,7 @@ class Swapper:
             d.reason = "nothing stored"
         elif store.plan(len(slots)) is None:
             d.reason = "tiers full"
-            self.log.tiers_full += 1
+            self.log.moved.no_room += 1
         elif policy == "auto" and swap_s is not None and recompute_s is not None and \
                 recompute_s <= swap_s:
             d.reason = "recompute cheaper"
@@ -455,15 +349,18 @@ class Swapper:
                 "not measured yet")
             try:
                 placed = store.store(request_id, slots, self._timing(d))
-            except (KVIOError, KVCapacityError) as e:
+            except KVCapacityError as e:  # a memory tier could not grow: the host is full
+                d.action, d.reason = "recompute", f"tiers full: {e}"
+                self.log.moved.no_room += 1
+            except KVIOError as e:
                 d.action, d.reason = "recompute", f"store fault: {e}"
-                self.log.store_faults += 1
+                self.log.moved.store_faults += 1
             else:
                 d.placement = dict(placed)
                 self.log.swapped_out += 1
                 self.log.swapped_blocks += blocks
                 for kind, n in placed:
-                    self.log.stored_bytes[kind] = self.log.stored_bytes.get(kind, 0) + n
+                    self.log.moved.count("store", kind, n // store.slot_bytes, n)
                 self._swapped[request_id] = d
         self.log.decisions.append(d)
         if logger.isEnabledFor(logging.INFO):
@@ -488,13 +385,13 @@ class Swapper:
         try:
             loaded = self.store.load(request_id, dst, self._timing(d))
         except (KVIOError, KVFileError) as e:
-            self.log.load_faults += 1
+            self.log.moved.load_faults += 1
             d.reason += f"; load fault: {e}"
             self.begin_recompute(request_id, d)
             return False
         self.log.swapped_in += 1
         for kind, n in loaded:
-            self.log.loaded_bytes[kind] = self.log.loaded_bytes.get(kind, 0) + n
+            self.log.moved.count("load", kind, n // self.store.slot_bytes, n)
         return True
 
     def begin_recompute(self, request_id: str, decision: Decision) -> None:
@@ -561,18 +458,21 @@ class Swapper:
                              "measured_over_predicted": meas / pred if pred > 0 else None}
         kinds = self.store.kinds if self.store is not None else tuple(
             s.kind for s in self.config.tiers)
+        moved = log.moved
         return {
             "policy": self.config.policy,
             "swapped_out": log.swapped_out, "swapped_in": log.swapped_in,
             "swapped_blocks": log.swapped_blocks,
             "recomputed_requests": log.recomputed_requests,
             "recomputed_tokens": log.recomputed_tokens,
-            "tiers_full": log.tiers_full,
-            "faults": {"store": log.store_faults, "load": log.load_faults},
-            "bytes": {k: {"stored": log.stored_bytes.get(k, 0),
-                          "loaded": log.loaded_bytes.get(k, 0)} for k in kinds},
+            "tiers_full": moved.no_room,
+            "faults": {"store": moved.store_faults, "load": moved.load_faults},
+            "bytes": {k: {"stored": moved.stored_bytes.get(k, 0),
+                          "loaded": moved.loaded_bytes.get(k, 0)} for k in kinds},
+            "moved": moved.as_dict(),
             "held_bytes": {k: (self.store.tiers[i + 1].num_used(0) * self.store.slot_bytes
                                if self.store is not None else 0) for i, k in enumerate(kinds)},
+            "reserved_bytes": self.store.swap.held_bytes() if self.store is not None else {},
             "decisions": [d.as_dict() for d in log.decisions],
             "cost_check": check,
             "cost_model": self.costs.as_dict(),

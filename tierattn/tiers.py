@@ -96,34 +96,41 @@ class Tier(ABC):
         self.dtype = dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.page_bytes = torch.Size(page_shape).numel() * itemsize
-        # stacks of free slots; popping from the end hands out low slots first
-        self._free = [list(range(capacity - 1, -1, -1)) for _ in range(num_layers)]
+        self.num_layers = num_layers
+        # per layer: released slots (a stack) above the never-used ones ``fresh .. capacity-1``;
+        # slots come from the stack first, then the lowest fresh one (a large tier costs no
+        # list of its slots)
+        self._released: list[list[int]] = [[] for _ in range(num_layers)]
+        self._fresh = [0] * num_layers
 
     def num_free(self, layer: int) -> int:
-        return len(self._free[layer])
+        return len(self._released[layer]) + self.capacity - self._fresh[layer]
 
     def num_used(self, layer: int) -> int:
-        return self.capacity - len(self._free[layer])
+        return self.capacity - self.num_free(layer)
 
     def alloc(self, layer: int, n: int) -> list[int]:
         """``n`` free slots of ``layer``; raises :class:`KVCapacityError` (taking none) if short."""
-        free = self._free[layer]
-        if n > len(free):
+        if n > self.num_free(layer):
             raise KVCapacityError(
                 f"{self.kind} tier is full for layer {layer}: {n} pages requested, "
-                f"{len(free)} of {self.capacity} free. Raise its capacity_pages, add a lower "
-                "tier, or lower the hot/recall budgets.")
-        taken = free[len(free) - n:][::-1]
-        del free[len(free) - n:]
-        return taken
+                f"{self.num_free(layer)} of {self.capacity} free. Raise its capacity_pages, "
+                "add a lower tier, or lower the hot/recall budgets.")
+        stack = self._released[layer]
+        k = min(n, len(stack))
+        taken = stack[len(stack) - k:][::-1]
+        del stack[len(stack) - k:]
+        first = self._fresh[layer]
+        self._fresh[layer] = first + n - k
+        return taken + list(range(first, first + n - k))
 
     def release(self, layer: int, slots: list[int]) -> None:
-        self._free[layer].extend(reversed(slots))
+        self._released[layer].extend(reversed(slots))
 
     def clear(self, layer: int) -> None:
         """Mark every slot of ``layer`` free, in the order of a new tier (``alloc(layer, n)``
         then returns ``0..n-1``); for a layer whose slots were all released."""
-        self._free[layer] = list(range(self.capacity - 1, -1, -1))
+        self._released[layer], self._fresh[layer] = [], 0
 
     def close(self) -> None:  # noqa: B027 - memory tiers: their pools go with the object
         """Release what the tier holds outside the process's memory (a disk tier's files)."""
@@ -139,28 +146,78 @@ class Tier(ABC):
 
 
 class MemoryTier(Tier):
-    """A pool tensor ``[num_layers, capacity, *page_shape]`` allocated once, at construction."""
+    """A pool tensor ``[num_layers, capacity, *page_shape]``.
+
+    Allocated and zeroed at construction, or with ``grow=True`` (a host tier that is not
+    pinned) reserved as address space only: the operating system commits a slot's memory
+    when it is first written, and :meth:`grow` -- called by :meth:`alloc`, or by a caller that
+    picks slots itself -- admits each new high-water mark only while the host has the memory
+    to back it, so nothing is held up front that no page uses and a tier that cannot grow
+    refuses with :class:`KVCapacityError` instead of running the host out of memory.
+    """
 
     is_memory = True
 
     def __init__(self, kind: str, num_layers: int, capacity: int, page_shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device, *, pinned: bool = False,
-                 numa_node: int | None = None) -> None:
+                 numa_node: int | None = None, grow: bool = False) -> None:
         super().__init__(kind, num_layers, capacity, page_shape, dtype)
         self.device = device
-        need = num_layers * capacity * self.page_bytes
-        have = memory_for(need, device)
-        if need > 0.9 * have:
-            raise KVCapacityError(
-                f"{kind} tier needs {need / 2**30:.2f} GiB ({num_layers} layers x {capacity} "
-                f"pages x {self.page_bytes} B) but only {have / 2**30:.2f} GiB is available on "
-                f"{device} (at most 90% may be used); lower capacity_pages or max_context.")
         self.pinned = bool(pinned and device.type == "cpu" and torch.cuda.is_available())
+        # pinned memory is committed when it is allocated: it cannot grow lazily
+        self.growable = bool(grow and device.type == "cpu" and not self.pinned)
+        #: slots per layer whose memory may be in use (every slot unless the tier grows)
+        self.committed = 0 if self.growable else capacity
+        need = num_layers * capacity * self.page_bytes
+        if not self.growable:
+            have = memory_for(need, device)
+            if need > 0.9 * have:
+                raise KVCapacityError(
+                    f"{kind} tier needs {need / 2**30:.2f} GiB ({num_layers} layers x "
+                    f"{capacity} pages x {self.page_bytes} B) but only {have / 2**30:.2f} GiB "
+                    f"is available on {device} (at most 90% may be used); lower "
+                    "capacity_pages or max_context.")
         # allocated pinned in place (a pinned copy of a pageable pool would need twice the
-        # memory for a moment) and zeroed by the thread bound to the tier's NUMA node
+        # memory for a moment) and zeroed by the thread bound to the tier's NUMA node; a
+        # growing tier is left untouched, so its pages are placed when first written
         with _first_touch_on(numa_node):
             self.pools = torch.empty((num_layers, capacity, *page_shape), dtype=dtype,
-                                     device=device, pin_memory=self.pinned).zero_()
+                                     device=device, pin_memory=self.pinned)
+            if not self.growable:
+                self.pools.zero_()
+
+    def grow(self, slots: int) -> None:
+        """Admit slots ``0 .. slots-1`` of every layer (a growing tier; no-op otherwise).
+
+        Raises:
+            KVCapacityError: the host has not the memory to back them (at most 90% of what is
+                available may be used); the tier is unchanged.
+        """
+        if slots <= self.committed:
+            return
+        if slots > self.capacity:
+            raise KVCapacityError(f"{self.kind} tier: slot {slots - 1} is past its capacity "
+                                  f"of {self.capacity}.")
+        # admit in steps of an eighth of what is held, so the check runs rarely
+        slots = min(self.capacity, max(slots, self.committed + max(1, self.committed // 8)))
+        need = (slots - self.committed) * self.num_layers * self.page_bytes
+        have = memory_for(need, self.device)
+        if need > 0.9 * have:
+            raise KVCapacityError(
+                f"{self.kind} tier cannot grow by {need / 2**20:.1f} MiB: the host has "
+                f"{have / 2**20:.1f} MiB available (at most 90% may be used). Free host "
+                "memory, set the tier's capacity_gib, or add a disk tier below it.")
+        self.committed = slots
+
+    def alloc(self, layer: int, n: int) -> list[int]:
+        fresh = n - len(self._released[layer])
+        if fresh > 0 and n <= self.num_free(layer):  # grown first: a refusal takes nothing
+            self.grow(self._fresh[layer] + fresh)
+        return super().alloc(layer, n)
+
+    def held_bytes(self) -> int:
+        """Bytes of memory the tier may hold (its committed slots, all layers)."""
+        return self.committed * self.num_layers * self.page_bytes
 
     @classmethod
     def over(cls, kind: str, pools: torch.Tensor | Sequence[torch.Tensor]) -> MemoryTier:
@@ -178,6 +235,7 @@ class MemoryTier(Tier):
         Tier.__init__(tier, kind, len(pools), first.shape[1], tuple(first.shape[2:]),
                       first.dtype)
         tier.device, tier.pinned, tier.pools = first.device, first.is_pinned(), pools
+        tier.growable, tier.committed = False, tier.capacity
         return tier
 
     def pool(self, layer: int) -> torch.Tensor:
@@ -346,14 +404,16 @@ class DiskTier(Tier):
 
 
 def build_tier(spec: TierSpec, *, num_layers: int, capacity: int, page_shape: tuple[int, ...],
-               dtype: torch.dtype, device: torch.device, fingerprint: str) -> Tier:
-    """The tier ``spec`` describes (``hbm`` on ``device``; host tiers pinned when CUDA is used)."""
+               dtype: torch.dtype, device: torch.device, fingerprint: str,
+               grow: bool = False) -> Tier:
+    """The tier ``spec`` describes (``hbm`` on ``device``; host tiers pinned when CUDA is used;
+    ``grow``: a host tier that is not pinned commits memory as slots are first used)."""
     if spec.kind == "hbm":
         return MemoryTier("hbm", num_layers, capacity, page_shape, dtype, device)
     if spec.kind in ("ddr", "cxl"):
         return MemoryTier(spec.kind, num_layers, capacity, page_shape, dtype,
                           torch.device("cpu"), pinned=device.type == "cuda",
-                          numa_node=spec.node())
+                          numa_node=spec.node(), grow=grow)
     if spec.kind == "disk":
         return DiskTier(num_layers, capacity, page_shape, dtype, spec.path, fingerprint)
     raise TierConfigError(f"tiers: unknown kind {spec.kind!r}")  # TierSpec already checks
