@@ -298,10 +298,16 @@ class SwapHandle:
     """
 
     def __init__(self, model, config: SwapConfig) -> None:
-        self.model, self.config = model, config
+        # weakly: a server that unloads a model frees it, whatever holds the handle
+        self._model, self.config = weakref.ref(model), config
         self.swapper = Swapper(config)
         self.active = False
         self._managers: weakref.WeakSet = weakref.WeakSet()
+
+    @property
+    def model(self):
+        """The model (None once it was freed)."""
+        return self._model()
 
     def _apply(self) -> None:
         original = self.model.init_continuous_batching
@@ -373,9 +379,10 @@ class SwapHandle:
         if not self.active:
             return
         self.active = False
-        if "init_continuous_batching" in vars(self.model):
-            del self.model.init_continuous_batching
-        del self.model._tierattn_swap
+        model = self.model
+        if model is not None:
+            vars(model).pop("init_continuous_batching", None)
+            vars(model).pop("_tierattn_swap", None)
         running = False
         for manager in list(self._managers):
             if manager.is_running():

@@ -112,6 +112,10 @@ def test_tokens_identical_under_every_policy(models, references, family, policy)
     if policy == "swap":
         assert st["swapped_out"] > 0 and st["swapped_in"] == st["swapped_out"]
         assert st["bytes"]["ddr"]["stored"] == st["bytes"]["ddr"]["loaded"] > 0
+        # default tiers (sized from the host): every victim swapped, and the DDR tier holds
+        # memory only for what was stored
+        assert st["tiers_full"] == 0 and st["recomputed_requests"] == 0
+        assert 0 < st["reserved_bytes"]["ddr"] <= 2 * st["bytes"]["ddr"]["stored"]
     if policy == "recompute":
         assert st["swapped_out"] == 0 and st["bytes"]["ddr"]["stored"] == 0
         assert st["recomputed_tokens"] > 0
@@ -249,6 +253,23 @@ def test_swap_every_model_covers_models_it_was_not_given(models, references):
     assert len(handles) == 1 and handles[0].stats()["swapped_out"] > 0
     assert ContinuousMixin.init_continuous_batching is original
     assert not hasattr(model, "_tierattn_swap")
+
+
+@engine
+def test_swap_every_model_keeps_no_model_alive():
+    """A server that unloads a model frees it while the block is still open."""
+    import gc
+    import weakref
+
+    with swap_every_model(SwapConfig(policy="swap")) as handles:
+        model = tiny_model("llama")
+        alive = weakref.ref(model)
+        generate(model, TIGHT)
+        assert len(handles) == 1 and handles[0].model is model
+        del model
+        gc.collect()
+        assert alive() is None and handles[0].model is None
+    assert handles[0].stats()["swapped_out"] > 0
 
 
 def test_misuse_is_refused_clearly(models):

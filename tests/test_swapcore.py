@@ -14,6 +14,7 @@ from helpers import corrupt_pages, disk_segments, fail_disk_reads, fail_disk_wri
 from tierattn.config import TierConfig, TierSpec
 from tierattn.costmodel import CostModel, LinearFit, attention_work, prefill_work
 from tierattn.errors import KVCapacityError, KVFileError, KVIOError, TierConfigError
+from tierattn import swaptiers, tiers
 from tierattn.swapcore import SwapConfig, Swapper, SwapStore
 
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
@@ -114,6 +115,67 @@ def test_load_skips_slots_the_engine_did_not_reallocate(device):
                                                                       bits(want[2]))
     untouched = [i for i in range(12) if i not in (8, 9)]
     assert torch.equal(bits(pool[untouched]), bits(before[untouched]))
+
+
+def test_default_capacities_follow_one_rule(tmp_path):
+    """Host tiers: up to HOST_SHARE of the host's memory over the workers (pinned ones, which
+    are reserved when built: RESERVED_POOLS KV pools); disk: RESERVED_POOLS KV pools, at most
+    90% of the folder's free space; a set capacity wins."""
+    slot = 4096
+    host = int(swaptiers.HOST_SHARE * swaptiers.host_memory())
+    caps = swaptiers.swap_capacities((TierSpec("ddr"), TierSpec("cxl")), slot, 10)
+    assert caps == [host // slot] * 2 and caps[0] > 1000 * 10  # far more than a KV pool
+    assert swaptiers.swap_capacities((TierSpec("ddr"),), slot, 10, workers=4) == \
+        [host // (4 * slot)]
+    assert swaptiers.swap_capacities((TierSpec("ddr"),), slot, 10, pinned=True) == \
+        [swaptiers.RESERVED_POOLS * 10]
+    assert swaptiers.swap_capacities((disk(tmp_path, cap=4),), slot, 10) == [4]  # a set one
+    assert swaptiers.swap_capacities((TierSpec("disk", path=str(tmp_path)),), slot, 10) == \
+        [swaptiers.RESERVED_POOLS * 10]
+    with pytest.raises(TierConfigError, match="capacity_gib"):
+        swaptiers.swap_capacities((TierSpec("ddr", capacity_gib=1e-9),), slot, 10)
+
+
+def test_host_tiers_reserve_nothing_up_front_and_grow_as_slots_are_used(device):
+    store = SwapStore(SwapConfig(), make_pool(device))
+    ddr = store.tiers[1]
+    assert ddr.capacity > 100 * store.pool.shape[0]
+    if device.type == "cuda":  # pinned: reserved whole when built
+        pytest.skip("a pinned tier is allocated when built")
+    assert store.swap.held_bytes() == {"ddr": 0}
+    store.store("a", [0, 1, 2], noop)
+    held = store.swap.held_bytes()["ddr"]
+    assert 3 * store.slot_bytes <= held <= 4 * store.slot_bytes
+    store.load("a", [5, 6, 7], noop)
+    store.store("b", [0, 1, 2], noop)  # the released slots are used again: no growth
+    assert store.swap.held_bytes()["ddr"] == held
+
+
+def test_a_tier_that_cannot_grow_turns_the_swap_into_a_recompute(device, monkeypatch):
+    if device.type == "cuda":
+        pytest.skip("a pinned tier is allocated when built")
+    sw = Swapper(SwapConfig(policy="swap"))
+    sw.attach(SwapStore(SwapConfig(policy="swap"), make_pool(device)))
+    free = sw.store.free_slots()
+    monkeypatch.setattr(tiers, "memory_for", lambda need, dev: need)  # the host is out of RAM
+    d = sw.preempt("a", [0, 1], tokens=8, recompute_tokens=8, blocks=2)
+    assert (d.action, d.reason.split(":")[0]) == ("recompute", "tiers full")
+    assert "host" in d.reason and "capacity_gib" in d.reason  # the hint names the setting
+    assert sw.store.free_slots() == free and "a" not in sw.store  # nothing taken
+    assert sw.stats()["tiers_full"] == 1 and sw.stats()["reserved_bytes"] == {"ddr": 0}
+
+
+def test_a_tier_of_a_billion_slots_costs_no_slot_list_nor_memory():
+    import time
+
+    start = time.perf_counter()
+    t = tiers.MemoryTier("ddr", 1, 10**9, (2, 1, 1, 1), torch.float32, torch.device("cpu"),
+                         grow=True)  # 8 GB of address space
+    assert time.perf_counter() - start < 0.5 and t.held_bytes() == 0
+    assert t.num_free(0) == 10**9 and t.alloc(0, 3) == [0, 1, 2]
+    t.release(0, [1])
+    assert t.alloc(0, 2) == [1, 3] and t.num_used(0) == 4
+    assert 4 * t.page_bytes <= t.held_bytes() < 10 * t.page_bytes
 
 
 def test_a_full_hierarchy_refuses_and_changes_nothing(device, tmp_path):

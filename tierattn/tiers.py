@@ -175,8 +175,9 @@ class MemoryTier(Tier):
                 raise KVCapacityError(
                     f"{kind} tier needs {need / 2**30:.2f} GiB ({num_layers} layers x "
                     f"{capacity} pages x {self.page_bytes} B) but only {have / 2**30:.2f} GiB "
-                    f"is available on {device} (at most 90% may be used); lower "
-                    "capacity_pages or max_context.")
+                    f"is available on {device} (at most 90% may be used); lower the tier's "
+                    "capacity_gib or capacity_pages (TierConfig.tiers, SwapConfig.tiers) or "
+                    "TierConfig.max_context.")
         # allocated pinned in place (a pinned copy of a pageable pool would need twice the
         # memory for a moment) and zeroed by the thread bound to the tier's NUMA node; a
         # growing tier is left untouched, so its pages are placed when first written

@@ -1,0 +1,47 @@
+"""pytest plugin: vLLM's own offloading tests run against tierattn's classes.
+
+Loaded with ``-p vllm_plugin`` by ``tests/upstream/vllm_offload.py`` before vLLM's test modules
+are imported, it rebinds the names those tests build their objects from:
+
+* ``vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager`` -> :class:`TierattnAsCPUManager`, a
+  :class:`~tierattn.models.vllm.manager.TieredBlockManager` with one DDR tier of the test's
+  ``num_chunks`` (one block per chunk, ``policy="swap"``: every store kept, as vLLM's manager);
+* ``OffloadingConnector`` (its module, which vLLM's connector registry reads by name) ->
+  :class:`~tierattn.models.vllm.connector.TierattnOffloadingConnector`, over the tests' own mock
+  spec (the connector flow: lookups, stores, loads, preemption, metadata, events).
+
+No test body is edited; differences of documented policy are listed in ``vllm_offload.py``.
+"""
+
+from __future__ import annotations
+
+from tierattn.config import SwapConfig, TierSpec
+
+
+def pytest_configure(config) -> None:
+    import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector as oc
+    import vllm.v1.kv_offload.cpu.manager as cpu_manager
+
+    from tierattn.models.vllm.connector import TierattnOffloadingConnector
+    from tierattn.models.vllm.manager import TieredBlockManager
+
+    class TierattnAsCPUManager(TieredBlockManager):
+        """vLLM's ``CPUOffloadingManager`` signature over one tierattn DDR tier."""
+
+        def __init__(self, num_chunks: int, cache_policy: str = "lru",
+                     cache_policy_module_path: str | None = None, enable_events: bool = False,
+                     store_threshold: int = 1, max_tracker_size: int = 64_000) -> None:
+            swap = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=max(1, num_chunks)),),
+                              policy="swap")
+            super().__init__(swap, [max(1, num_chunks)], blocks_per_chunk=1,
+                             tokens_per_chunk=16, chunk_bytes=1, enable_events=enable_events,
+                             cache_policy=cache_policy, store_threshold=store_threshold)
+            if num_chunks == 0:  # vLLM allows an empty cache; a tierattn tier holds a slot
+                self._num_chunks = 0
+            self.max_tracker_size = max_tracker_size
+            if cache_policy_module_path is not None:
+                raise NotImplementedError("out-of-tree cache policies are not tried here")
+
+    cpu_manager.CPUOffloadingManager = TierattnAsCPUManager
+    # vLLM's connector registry reads the module's attribute when an engine is built
+    oc.OffloadingConnector = TierattnOffloadingConnector
