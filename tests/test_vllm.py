@@ -40,7 +40,7 @@ from vllm_helpers import (BLOCK_BYTES, corrupt_files, delete_files, disk_files, 
 
 from tierattn.config import TierSpec  # noqa: E402
 from tierattn.costmodel import attention_work  # noqa: E402
-from tierattn.errors import TierConfigError  # noqa: E402
+from tierattn.errors import TierConfigError, UnsupportedEngineError  # noqa: E402
 from tierattn.models.vllm import config as vcfg  # noqa: E402
 from tierattn.models.vllm import connector as vconn  # noqa: E402
 from tierattn.models.vllm import manager as vman  # noqa: E402
@@ -196,6 +196,17 @@ def test_a_second_round_loads_from_the_tiers(run, reference):
 
 
 @engine
+@pytest.mark.parametrize("run, reference", _engine_params("qwen3-swap"), indirect=True)
+def test_default_tiers_keep_every_request_for_the_next_round(run, reference):
+    """Default tiers (sized from the host, not from vLLM's 7-block cache): nothing evicted, and
+    every request of the second round finds its prompt's blocks there."""
+    assert run.notes["tiers"] == ["ddr"]
+    assert run.value("tierattn_evicted_slots") == 0 and run.value("tierattn_no_room") == 0
+    assert all(c > 0 for c in run.cached[1]), run.cached
+    assert run.value("tierattn_used_slots", "ddr", after=0) >= 7  # more than vLLM's own cache
+
+
+@engine
 @pytest.mark.parametrize("run, reference", _engine_params("llama-swap-disk", "qwen3-auto-disk"),
                          indirect=True)
 def test_a_full_ddr_tier_spills_to_disk(run, reference):
@@ -292,6 +303,23 @@ def test_the_config_is_json_with_a_path_object(tmp_path, monkeypatch):
     config = vcfg.vllm_kv_transfer_config(("ddr", TierSpec("disk", path=Path("kv"))))
     assert json.loads(json.dumps(config))["kv_connector_extra_config"]["tiers"][1] == \
         {"kind": "disk", "path": str((tmp_path / "kv").resolve())}
+
+
+def test_the_config_takes_a_swap_config(tmp_path):
+    swap = SwapConfig(tiers=("ddr", TierSpec("disk", path=str(tmp_path))), policy="swap",
+                      backend="torch")
+    assert vcfg.vllm_kv_transfer_config(swap) == vcfg.vllm_kv_transfer_config(
+        swap.tiers, "swap", backend="torch")
+
+
+def test_the_vllm_internals_relied_on_are_checked(monkeypatch):
+    """Each private vLLM name the adapter reads is found in vLLM 0.32; one that moved makes
+    an engine refuse to start, naming it."""
+    vcfg.check_vllm()
+    module, cls, attr, _ = vcfg.VLLM_INTERNALS[0]
+    monkeypatch.setattr(vcfg, "VLLM_INTERNALS", ((module, cls, "_gone", "a test"),))
+    with pytest.raises(UnsupportedEngineError, match=f"{cls}._gone"):
+        vcfg.check_vllm()
 
 
 @pytest.mark.parametrize("kwargs", [
