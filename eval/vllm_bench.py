@@ -331,7 +331,7 @@ def _summarise(spec: VllmBenchSpec, runs: list[dict], vllm_version: str) -> dict
                 if k.startswith("vllm:tierattn_") and "bytes" in k:
                     row[f"{part}_{k.removeprefix('vllm:tierattn_')}_MB"] = v / 1e6
             row[f"{part}_load_faults"] = m.get("vllm:tierattn_load_faults", 0)
-            row[f"{part}_declined_chunks"] = m.get("vllm:tierattn_declined_chunks", 0)
+            row[f"{part}_declined_slots"] = m.get("vllm:tierattn_declined_slots", 0)
         rows.append(row)
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     means = {p: {k: _mean(r[k] for r in rows if r["policy"] == p)

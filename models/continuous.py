@@ -104,8 +104,11 @@ class TieredOffloadingManager(OffloadingManager):
         self._num_cpu_sectors = 0
         self.swapper = swapper
         pool, self._slots_per_block = slot_view(self.cache)
-        swapper.attach(SwapStore(swapper.config, pool),
-                       prefill_chunk=getattr(self.cache, "max_batch_tokens", None))
+        store = SwapStore(swapper.config, pool)
+        swapper.attach(store, prefill_chunk=getattr(self.cache, "max_batch_tokens", None))
+        # the store views the engine's KV cache: it goes with the engine, whatever holds the
+        # swapper (a handle kept by a server outlives every engine it served)
+        weakref.finalize(processor, swapper.detach, store)
         #: blocks stored per allocator, for each swapped request (pairing on the way back)
         self._stored_blocks: dict[str, dict[str, int]] = {}
         #: swapped requests loaded back at admission, not yet seen in a batch
@@ -119,96 +122,64 @@ class TieredOffloadingManager(OffloadingManager):
 
     # --- preemption ---------------------------------------------------------------------------
 
-    def _slots(self, request_id: str) -> tuple[list[int], dict[str, int]]:
-        """The swap slots of ``request_id``'s blocks (allocator by allocator, block by block)
-        and its block count per allocator."""
-        slots, counts = [], {}
-        for name, a in self.cache.cache_allocators.items():
-            blocks = a.block_table.get(request_id, [])
-            k = self._slots_per_block[name]
-            counts[name] = len(blocks)
-            slots.extend(s for b in blocks for s in range(b * k, (b + 1) * k))
-        return slots, counts
+    def _slots(self, tables: dict[str, list[int]]) -> list[int]:
+        """The swap slots of a request's blocks ``tables`` (allocator by allocator, block by
+        block)."""
+        return [s for name, blocks in tables.items() for b in blocks
+                for s in range(b * self._slots_per_block[name],
+                               (b + 1) * self._slots_per_block[name])]
+
+    def _tables(self, request_id: str) -> dict[str, list[int]]:
+        return {name: a.block_table.get(request_id, [])[:]
+                for name, a in self.cache.cache_allocators.items()}
 
     @staticmethod
     def _recompute_tokens(state) -> int:
         return len(state.initial_tokens) + len(state.generated_tokens)
 
-    def _cheapest(self, starved: list) -> int:
-        """Index of the starved request cheapest to restore per block it frees (ties, or no
+    def _order_starved(self) -> None:
+        """Order the scheduler's starved requests so that transformers' loop, which takes
+        the newest first, takes the cheapest to restore per block it frees first (ties, or no
         estimate yet: the newest, as transformers picks)."""
-        best, best_cost = len(starved) - 1, None
-        for i, (state, _) in enumerate(starved):
-            slots, counts = self._slots(state.request_id)
-            cost = self.swapper.restore_cost(slots=len(slots),
-                                             recompute_tokens=self._recompute_tokens(state))
-            if cost is None:
-                continue
-            cost /= max(1, sum(counts.values()))
-            if best_cost is None or cost <= best_cost:
-                best, best_cost = i, cost
-        return best
+        starved = self.scheduler.starved_requests
 
-    def _preempt(self, state):
-        rid = state.request_id
-        slots, counts = self._slots(rid)
-        decision = self.swapper.preempt(rid, slots, tokens=state.current_len(),
-                                        recompute_tokens=self._recompute_tokens(state),
-                                        blocks=sum(counts.values()))
-        if decision.action == "swap":
-            self._stored_blocks[rid] = counts
-        self.cache.free_blocks(rid, no_cache=True)  # stored (or given up): the blocks are free
-        return decision
+        def cost(item) -> float:
+            tables = self._tables(item[0].request_id)
+            c = self.swapper.restore_cost(slots=len(self._slots(tables)),
+                                          recompute_tokens=self._recompute_tokens(item[0]))
+            return math.inf if c is None else c / max(1, sum(map(len, tables.values())))
+
+        starved[:] = sorted(starved, key=cost, reverse=True)  # stable: ties keep their order
 
     def offload_requests(self) -> bool:
-        """Preempt starved requests until the remaining ones can all be scheduled (keeping at
-        least one active), cheapest to restore first; swap or recompute each. True when
-        anything changed."""
-        scheduler, cache = self.scheduler, self.cache
-        starved = scheduler.starved_requests
-        changed = cache.evict_cached_blocks() or self._changed
+        """transformers' own preemption loop -- starved requests preempted until the rest can
+        be scheduled, keeping one active, victims requeued oldest first -- with the victims
+        taken cheapest to restore first, and each one swapped into the tiers or recomputed as
+        the swap core decides (:meth:`_offload_to_cpu`). True when anything changed."""
+        self._order_starved()
+        changed = super().offload_requests() or self._changed
         self._changed = False
-        if not starved:
-            return changed
-        needs = [{name: a.needs_new_blocks(s.request_id, s.current_len(), n)
-                  for name, a in cache.cache_allocators.items()} for s, n in starved]
-        num_active = len(scheduler.active_requests)
-        victims = []
+        return changed
+
+    def _offload_to_cpu(self, victims: list, victim_block_tables: dict) -> set[str]:
+        """Swap or recompute each victim (its blocks were just freed; their data is intact
+        until the next forward). Returns the ids of the swapped ones."""
+        swapped = set()
         with self._stream_ctx():  # on CUDA, copies are ordered after the engine's forwards
-            while starved and num_active - len(victims) > 1:
-                if cache.count_storable_requests(needs) == len(starved):
-                    break
-                i = self._cheapest(starved)
-                state, _ = starved.pop(i)
-                needs.pop(i)
-                victims.append((state, self._preempt(state)))
-        if not victims:
-            return changed
-        for state, decision in reversed(victims):  # requeued oldest first, as transformers does
-            rid = state.request_id
-            if decision.action == "swap":
-                state.allocated_blocks = 0
-                if state._status == RequestStatus.DECODING:
-                    # transformers' rule (async batching): a token still in flight is dropped at
-                    # the next update, so the request resumes from its last true token
-                    if state.position_offset == len(state.initial_tokens) + len(
-                            state.generated_tokens):
-                        state.position_offset -= 1
-                        state.remaining_prefill_tokens = [
-                            (state.generated_tokens or state.initial_tokens)[-1]]
-                    else:
-                        state.remaining_prefill_tokens = state.tokens_to_process[:]
-                state.is_cpu_offloaded = True
-                state._status = RequestStatus.PENDING  # not the setter: no lifespan bookkeeping
-                new_state = state
-            else:
-                new_state = state.create_equivalent_initial_request()
-                state._status = RequestStatus.FINISHED
-                self.swapper.begin_recompute(rid, decision)
-            scheduler.finish_request(rid)
-            scheduler.add_waiting_request(new_state)
-        scheduler.block_new_requests = True
-        return True
+            for state in victims:
+                rid, tables = state.request_id, victim_block_tables[state.request_id]
+                counts = {name: len(blocks) for name, blocks in tables.items()}
+                decision = self.swapper.preempt(
+                    rid, self._slots(tables), tokens=state.current_len(),
+                    recompute_tokens=self._recompute_tokens(state),
+                    blocks=sum(counts.values()))
+                if decision.action == "swap":
+                    self._stored_blocks[rid] = counts
+                    state.is_cpu_offloaded = True
+                    swapped.add(rid)
+                else:
+                    self.swapper.begin_recompute(rid, decision)
+        return swapped
 
     # --- resumption ---------------------------------------------------------------------------
 

@@ -40,6 +40,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # 2-core machine make small tensor ops a hundred times slower
     torch.set_num_threads(1)
 
+#: the engines' own test suites, vendored or fetched, run by their drivers (tests/upstream/*.py)
+#: against tierattn, not by tierattn's test run
+collect_ignore = ["upstream"]
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and
                       os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
 

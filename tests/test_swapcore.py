@@ -163,6 +163,7 @@ def test_a_tier_that_cannot_grow_turns_the_swap_into_a_recompute(device, monkeyp
     assert "host" in d.reason and "capacity_gib" in d.reason  # the hint names the setting
     assert sw.store.free_slots() == free and "a" not in sw.store  # nothing taken
     assert sw.stats()["tiers_full"] == 1 and sw.stats()["reserved_bytes"] == {"ddr": 0}
+    assert sw.stats()["peak_reserved_bytes"] == {"ddr": 0}
 
 
 def test_a_tier_of_a_billion_slots_costs_no_slot_list_nor_memory():

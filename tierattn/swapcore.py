@@ -195,9 +195,11 @@ class SwapStore:
             self.discard(request_id)
 
     def close(self) -> None:
-        """Forget every request and delete the disk tiers' segment files."""
+        """Forget every request, delete the disk tiers' segment files and let go of the
+        engine's KV cache and the host tiers' memory."""
         self.clear()
         self.swap.close()
+        self.pool = self.swap = self.tiers = self.mover = None
 
     def _release(self, entry: _Entry) -> None:
         for t, slots, _ in entry.parts:
@@ -259,6 +261,8 @@ class SwapLog:
     recomputed_requests: int = 0
     recomputed_tokens: int = 0  # tokens prefilled again by recomputed requests
     moved: SwapCounters = field(default_factory=SwapCounters)
+    #: the most memory each tier held at once (memory tiers grow as slots are stored)
+    peak_reserved_bytes: dict[str, int] = field(default_factory=dict)
     #: the most recent decisions (a server runs for days: older ones are only counted)
     decisions: deque[Decision] = field(default_factory=lambda: deque(maxlen=DECISIONS_KEPT))
 
@@ -300,6 +304,15 @@ class Swapper:
                 store.calibrate(self.costs, probe_slots=self.config.probe_slots)
                 self.costs.calibrated_from = "probes at start"
             self._calibrated = True
+
+    def detach(self, store: SwapStore) -> None:
+        """The engine behind ``store`` is gone: close it (its requests are forgotten) unless
+        another store replaced it already."""
+        if self.store is store:
+            self.store = None
+            self._swapped.clear()
+            self._recomputing.clear()
+            store.close()
 
     # --- decisions --------------------------------------------------------------------------
 
@@ -357,6 +370,9 @@ class Swapper:
                 self.log.moved.store_faults += 1
             else:
                 d.placement = dict(placed)
+                for kind, n in store.swap.held_bytes().items():
+                    self.log.peak_reserved_bytes[kind] = max(
+                        n, self.log.peak_reserved_bytes.get(kind, 0))
                 self.log.swapped_out += 1
                 self.log.swapped_blocks += blocks
                 for kind, n in placed:
@@ -472,7 +488,9 @@ class Swapper:
             "moved": moved.as_dict(),
             "held_bytes": {k: (self.store.tiers[i + 1].num_used(0) * self.store.slot_bytes
                                if self.store is not None else 0) for i, k in enumerate(kinds)},
-            "reserved_bytes": self.store.swap.held_bytes() if self.store is not None else {},
+            "reserved_bytes": self.store.swap.held_bytes() if self.store is not None else
+            dict.fromkeys(kinds, 0),
+            "peak_reserved_bytes": {k: log.peak_reserved_bytes.get(k, 0) for k in kinds},
             "decisions": [d.as_dict() for d in log.decisions],
             "cost_check": check,
             "cost_model": self.costs.as_dict(),
