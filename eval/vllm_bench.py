@@ -17,9 +17,10 @@ with the same KV cache and the same two workloads:
   ``first_token_latency``) is what recompute and a load compete on.
 
 Policies: ``vllm`` (vLLM's default: no connector, recompute), ``swap-ddr`` (a DDR tier of
-``ddr_gib``), ``swap-ddr+disk`` (DDR of ``small_ddr_gib`` spilling to a disk tier), and
-``auto-ddr+disk`` (the same tiers, tierattn's cost model deciding per chunk). Tokens are
-compared with ``vllm``'s. Results: ``results.json``, ``runs.csv``, ``returning_ttft.png``.
+``ddr_gib``; default: the swap core's rule, sized from the host), ``swap-ddr+disk`` (DDR of
+``small_ddr_gib`` spilling to a disk tier), and ``auto-ddr+disk`` (the same tiers, tierattn's
+cost model deciding per chunk). Tokens are compared with ``vllm``'s. Results: ``results.json``,
+``runs.csv``, ``returning_ttft.png``.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ class VllmBenchSpec:
             length, ``conversations`` conversations; turn 1 generates ``answer_tokens``, the
             returning turn adds ``followup_tokens`` and generates ``answer_tokens``.
         policies: runs of :data:`POLICIES` (``vllm`` is the reference of tokens and times).
-        ddr_gib, small_ddr_gib, disk_gib: the DDR tier of ``swap-ddr``; the DDR and disk
-            tiers of the ``+disk`` runs.
+        ddr_gib, small_ddr_gib, disk_gib: the DDR tier of ``swap-ddr`` (None: the default
+            capacity rule); the DDR and disk tiers of the ``+disk`` runs.
         block_size: vLLM's block (and stored chunk) size in tokens.
         repeats: runs per policy (each a fresh engine, in its own process).
         seed: where the windows of offline text start.
@@ -69,7 +70,7 @@ class VllmBenchSpec:
     answer_tokens: int = 32
     followup_tokens: int = 32
     policies: tuple[str, ...] = POLICIES
-    ddr_gib: float = 2.0
+    ddr_gib: float | None = None
     small_ddr_gib: float = 0.125
     disk_gib: float = 4.0
     block_size: int = 128

@@ -303,7 +303,7 @@ def report(plain: dict, swapped: dict) -> tuple[list[dict], list[str], list[str]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tests-from", default=os.environ.get("TIERATTN_UPSTREAM_TESTS")
-                    or str(HERE / "transformers"),
+                    or str(HERE / "transformers" / "test_continuous_batching.py"),
                     help="a transformers checkout, its tests/ folder, or the test file itself, "
                          "used when the sdist has no continuous-batching tests")
     ap.add_argument("--out", help="write the JSON report here")
