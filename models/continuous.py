@@ -118,7 +118,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._batch: list[tuple[str, int, int, bool]] = []
         # admission is where a swapped request's blocks exist again: load it there
         self._can_store = self.cache.can_store_request_tokens
-        self.cache.can_store_request_tokens = self._admit
+        self.cache.can_store_request_tokens = _weak_method(self, TieredOffloadingManager._admit)
 
     # --- preemption ---------------------------------------------------------------------------
 
@@ -260,6 +260,18 @@ class TieredOffloadingManager(OffloadingManager):
         self._batch = []
 
 
+def _weak_method(obj, func):
+    """``func`` bound to ``obj`` without a strong reference to it: the wrappers tierattn sets on
+    the engine's objects would otherwise close reference cycles through them, and an engine's
+    KV cache would wait for the cyclic garbage collector instead of going with the engine."""
+    ref = weakref.ref(obj)
+
+    @functools.wraps(func)
+    def call(*args, **kwargs):
+        return func(ref(), *args, **kwargs)
+    return call
+
+
 class SwapHandle:
     """Undo handle of :func:`swap`; also a context manager (``with tierattn.swap(...)``).
 
@@ -302,7 +314,7 @@ class SwapHandle:
         # transformers' own pinned pool is never allocated: the tiers replace it
         manager._tierattn_cpu_offload_space = manager.continuous_batching_config.cpu_offload_space
         manager.continuous_batching_config.cpu_offload_space = 0.0
-        create = manager._create_batch_processor
+        create = _weak_method(manager, manager._create_batch_processor.__func__)
 
         @functools.wraps(create)
         def create_batch_processor():
@@ -324,7 +336,8 @@ class SwapHandle:
                 "rank would decide alone); run it without tierattn.swap.")
         manager = TieredOffloadingManager(processor, self.swapper)
         processor.offloading_manager = manager
-        step, watch = processor._generation_step, manager.swapper.store.watch
+        step = _weak_method(processor, processor._generation_step.__func__)
+        watch = manager.swapper.store.watch
         stream = processor.inputs_and_outputs.compute_stream
 
         @functools.wraps(step)
