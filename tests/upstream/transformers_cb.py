@@ -22,13 +22,12 @@ not obtainable; it imports one name 5.25.0 lacks, stubbed by the plugin), kept u
 ``tests/upstream/transformers/`` (Apache-2.0, see its NOTICE) and used by default.
 
 Findings (2-core CPU, torch 2.13 CPU, transformers 5.25.0, the default selection, ~6 min):
-plain 64 passed / 6 failed / 68 skipped, swap 63 / 7 / 68. The 6 failing in both are the
-version skew (features after 5.25.0). One regression: test_continuous_batching_few_blocks (tokens
-identical, 2 requests swapped out and back, then its spy on OffloadingManager.offload_requests is
-never called: TieredOffloadingManager overrides that method). Peak RSS 5.6 GiB plain, 13.2 GiB with
-the swap: each engine's KV pool stays referenced by its SwapHandle's SwapStore after the engine
-stops (RSS after each generating test grows by the size of one cache); with transformers' own
-cache size (--kv-budget-gib none) the swap run was killed by the kernel's OOM killer.
+plain 64 passed / 6 failed / 68 skipped, swap the same 64 / 6 / 68 -- the 6 failing in both are
+the version skew (features after 5.25.0). test_continuous_batching_few_blocks and
+test_cpu_offloading_disabled_when_zero swap 2 requests out and back, tokens identical, and the
+first one's spy on OffloadingManager.offload_requests sees transformers' own loop run (tierattn
+decides each victim in _offload_to_cpu). Peak RSS 5,582 MiB plain, 6,184 MiB with the swap (1.11x;
+the store lets go of each engine's KV cache with the engine).
 
 Exit status: 0 all good; 1 a regression under the swap (or a run that did not finish); 2 the
 sdist's checksum is wrong / a download failed; 3 no continuous-batching tests available.
