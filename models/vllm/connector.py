@@ -150,13 +150,18 @@ class TierattnOffloadingConnector(OffloadingConnector):
     # --- scheduler side -------------------------------------------------------------------
 
     @property
-    def manager(self) -> TieredBlockManager:
-        return self.scheduler.manager
+    def manager(self) -> TieredBlockManager | None:
+        """tierattn's manager (None under another spec's manager: the connector then adds
+        nothing to vLLM's, which is how vLLM's own connector tests run it)."""
+        manager = self.scheduler.manager
+        return manager if isinstance(manager, TieredBlockManager) else None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         """vLLM's prefix lookup, then (``"auto"``) the whole hit priced at once: loading it
         from its tiers against prefilling its tokens; a hit not worth loading is reported as
         none, and the tokens are prefilled."""
+        if self.manager is None:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
         self.manager.begin_lookup(request.request_id)
         hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         # always asked, so the lookup's record is dropped whatever the hit
@@ -189,7 +194,7 @@ class TierattnOffloadingConnector(OffloadingConnector):
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, TierWorkerMetadata):
+        if isinstance(meta, TierWorkerMetadata) and self.manager is not None:
             now = time.perf_counter()
             jobs = self.scheduler._jobs
             self.manager.mark_failed({k for j in meta.failed_jobs if j in jobs

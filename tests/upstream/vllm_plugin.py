@@ -10,6 +10,10 @@ are imported, it rebinds the names those tests build their objects from:
   :class:`~tierattn.models.vllm.connector.TierattnOffloadingConnector`, over the tests' own mock
   spec (the connector flow: lookups, stores, loads, preemption, metadata, events).
 
+One adaptation this machine requires (no network): the model config vLLM's tests build their
+engine configs from, ``facebook/opt-125m`` on the Hugging Face Hub, is an OPT config of the same
+shape written to a local folder (the tests read its geometry only; no weights are loaded).
+
 No test body is edited; differences of documented policy are listed in ``vllm_offload.py``.
 """
 
@@ -19,6 +23,8 @@ from tierattn.config import SwapConfig, TierSpec
 
 
 def pytest_configure(config) -> None:
+    import os
+
     import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector as oc
     import vllm.v1.kv_offload.cpu.manager as cpu_manager
 
@@ -42,6 +48,9 @@ def pytest_configure(config) -> None:
             if cache_policy_module_path is not None:
                 raise NotImplementedError("out-of-tree cache policies are not tried here")
 
+    _local_model_config()
+    if os.environ.get("TIERATTN_UPSTREAM_PLAIN"):  # the baseline: vLLM's own classes
+        return
     cpu_manager.CPUOffloadingManager = TierattnAsCPUManager
     # vLLM's connector registry reads the module's attribute when an engine is built
     oc.OffloadingConnector = TierattnOffloadingConnector
@@ -78,3 +87,18 @@ def pytest_unconfigure(config) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(_OUTCOMES, f, indent=1, sort_keys=True)
+
+
+def _local_model_config() -> None:
+    """``create_vllm_config``'s default model: a local OPT-125m-shaped config (no Hub here)."""
+    import tempfile
+
+    from tests.v1.kv_connector.unit import utils
+    from transformers import OPTConfig
+
+    folder = tempfile.mkdtemp(prefix="tierattn-opt-125m-")
+    OPTConfig(vocab_size=50272, hidden_size=768, num_hidden_layers=12, ffn_dim=3072,
+              num_attention_heads=12, max_position_embeddings=2048,
+              word_embed_proj_dim=768).save_pretrained(folder)
+    fn = utils.create_vllm_config
+    fn.__defaults__ = tuple(folder if d == "facebook/opt-125m" else d for d in fn.__defaults__)
