@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="pytest -k expression (default: everything but DESELECT)")
     ap.add_argument("--full", action="store_true",
                     help="deselect only what cannot run here (torch.compile), not the slow ones")
-    ap.add_argument("--timeout", type=float, default=420, help="seconds per pytest run")
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds per pytest run")
     ap.add_argument("--only", choices=("plain", "swap"), help="one run only (debugging)")
     ap.add_argument("--kv-budget-gib", default="3",
                     help="memory the engine may plan for when a test sets neither "
