@@ -26,8 +26,9 @@ plain 64 passed / 6 failed / 68 skipped, swap the same 64 / 6 / 68 -- the 6 fail
 the version skew (features after 5.25.0). test_continuous_batching_few_blocks and
 test_cpu_offloading_disabled_when_zero swap 2 requests out and back, tokens identical, and the
 first one's spy on OffloadingManager.offload_requests sees transformers' own loop run (tierattn
-decides each victim in _offload_to_cpu). Peak RSS 5,582 MiB plain, 6,184 MiB with the swap (1.11x;
-the store lets go of each engine's KV cache with the engine).
+decides each victim in _offload_to_cpu). Peak RSS 5,585 MiB plain, 5,604 MiB with the swap
+(1.004x: the store lets go of each engine's KV cache with the engine, and the wrappers hold the
+engine's objects weakly, so no cycle keeps a cache for the garbage collector).
 
 Exit status: 0 all good; 1 a regression under the swap (or a run that did not finish); 2 the
 sdist's checksum is wrong / a download failed; 3 no continuous-batching tests available.
