@@ -167,12 +167,9 @@ def test_a_tier_that_cannot_grow_turns_the_swap_into_a_recompute(device, monkeyp
 
 
 def test_a_tier_of_a_billion_slots_costs_no_slot_list_nor_memory():
-    import time
-
-    start = time.perf_counter()
     t = tiers.MemoryTier("ddr", 1, 10**9, (2, 1, 1, 1), torch.float32, torch.device("cpu"),
                          grow=True)  # 8 GB of address space
-    assert time.perf_counter() - start < 0.5 and t.held_bytes() == 0
+    assert t.held_bytes() == 0 and t._released == [[]]  # no list of its slots
     assert t.num_free(0) == 10**9 and t.alloc(0, 3) == [0, 1, 2]
     t.release(0, [1])
     assert t.alloc(0, 2) == [1, 3] and t.num_used(0) == 4

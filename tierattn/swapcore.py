@@ -44,7 +44,8 @@ from tierattn.pagemap import HOT
 from tierattn.swaptiers import SwapCounters, SwapTiers
 from tierattn.transfer import TransferEngine
 
-__all__ = ["Decision", "SwapConfig", "SwapLog", "SwapStore", "Swapper"]  # SwapConfig: config
+# SwapConfig lives in tierattn.config; re-exported here, where it was first defined
+__all__ = ["Decision", "SwapConfig", "SwapLog", "SwapStore", "Swapper"]
 
 #: one INFO line per decision (``tierattn serve`` shows them)
 logger = logging.getLogger("tierattn.swap")

@@ -176,9 +176,6 @@ class SwapTiers:
         """The swap tiers' kinds, fastest first."""
         return tuple(t.kind for t in self.tiers[1:])
 
-    def capacities(self) -> list[int]:
-        return [t.capacity for t in self.tiers[1:]]
-
     def held_bytes(self) -> dict[str, int]:
         """Bytes each swap tier holds now (memory tiers: what they have grown to)."""
         return {t.kind: t.held_bytes() if isinstance(t, MemoryTier)
