@@ -11,6 +11,7 @@ reported, never a wrong token: the connector turns it into dropped chunks and a 
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -93,7 +94,7 @@ class TieredBlockWorker(OffloadingWorker):
 
     def _slots(self, chunk_id: int) -> tuple[int, range]:
         """The tier (1: the fastest swap tier) and tier slots of chunk ``chunk_id``."""
-        tier = next(i for i in range(1, len(self.bounds)) if chunk_id < self.bounds[i])
+        tier = bisect.bisect_right(self.bounds, chunk_id)  # as the manager's tier_of, + 1
         first = (chunk_id - self.bounds[tier - 1]) * self.bpc
         return tier, range(first, first + self.bpc)
 
