@@ -149,6 +149,9 @@ def test_host_tiers_reserve_nothing_up_front_and_grow_as_slots_are_used(device):
     store.load("a", [5, 6, 7], noop)
     store.store("b", [0, 1, 2], noop)  # the released slots are used again: no growth
     assert store.swap.held_bytes()["ddr"] == held
+    store.close()
+    store.close()  # a second close (the handle's undo, then the engine's end) does nothing
+    assert store.pool is None and store.swap is None
 
 
 def test_a_tier_that_cannot_grow_turns_the_swap_into_a_recompute(device, monkeypatch):

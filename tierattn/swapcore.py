@@ -197,7 +197,10 @@ class SwapStore:
 
     def close(self) -> None:
         """Forget every request, delete the disk tiers' segment files and let go of the
-        engine's KV cache and the host tiers' memory."""
+        engine's KV cache and the host tiers' memory (again: nothing; the handle's undo and
+        the engine's end both close it)."""
+        if self.swap is None:
+            return
         self.clear()
         self.swap.close()
         self.pool = self.swap = self.tiers = self.mover = None
