@@ -12,6 +12,8 @@
     tierattn bench --disk [--smoke] [--folder D]  disk tier vs the folder's raw bandwidth
     tierattn bench --host-attn [--smoke]      split attention's host kernel vs a plain read
     tierattn bench --vllm [--smoke]           vLLM (its own environment): recompute vs tiers
+    tierattn bench --vllm-hotset [--smoke]    vLLM: tierattn's hot set vs vLLM on one pool
+    tierattn vllm-args [--preset P] [...]      `vllm serve` flags that serve with the hot set
     tierattn serve [--swap-tiers ...] -- ARGS  `transformers serve ARGS` with tierattn.swap
     tierattn models [--types T,...]            every causal-LM type of transformers, patched
     tierattn autotune --kernel decode|score|prefill|copy   tune a kernel on this GPU
@@ -255,6 +257,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.vllm_hotset:
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            raise UsageError("--vllm-hotset runs inside vLLM's own environment (README, "
+                             "'tierattn in vLLM'); vllm is not installed here")
+        from tierattn.eval.vllm_hotset_bench import (SMOKE, HotSetBenchSpec, hotset_summary,
+                                                     run_hotset_bench)
+
+        spec = SMOKE if args.smoke else HotSetBenchSpec()
+        if args.requests is not None:
+            spec = dataclasses.replace(spec, requests=args.requests)
+        print(hotset_summary(run_hotset_bench(spec, out_root=args.out_root)))
+        return 0
     if args.vllm:
         import importlib.util
         if importlib.util.find_spec("vllm") is None:
@@ -397,6 +412,37 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("tierattn.swap").setLevel(logging.INFO)
     with swap_every_model(config):
         app(["serve", *extra], prog_name="tierattn serve")
+    return 0
+
+
+def _cmd_vllm_args(args: argparse.Namespace) -> int:
+    import shlex
+
+    from tierattn.config import TierConfig, TierSpec
+    from tierattn.models.vllm import vllm_engine_args
+
+    knobs = {"page_size": args.page_size, "prefill_chunk_size": args.prefill_chunk}
+    if args.preset == "topk":
+        knobs["recall_score"] = "quest"
+    if args.hot_budget is not None:
+        knobs["hot_budget"] = args.hot_budget
+    if args.recall_budget is not None:
+        knobs["recall_budget"] = args.recall_budget
+    engine = vllm_engine_args(TierConfig.preset(args.preset, **knobs),
+                              tiers=(TierSpec(args.tier, capacity_gib=args.capacity_gib),))
+    if args.json:
+        print(json.dumps(engine, indent=2))
+        return 0
+    flags = []
+    for key, value in engine.items():
+        flag = "--" + key.replace("_", "-")
+        if value is False:
+            flags.append("--no-" + key.replace("_", "-"))
+        elif value is True:
+            flags.append(flag)
+        else:
+            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    print(" ".join(shlex.quote(f) for f in flags))
     return 0
 
 
@@ -570,6 +616,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "'tierattn in vLLM'): its recompute vs tierattn's tiers on a "
                             "preemption-heavy batch and on returning conversations "
                             "(--smoke: 6 requests, 512-token histories)")
+    bench.add_argument("--vllm-hotset", action="store_true",
+                       help="tierattn's hot set inside vLLM on SmolLM2-135M (vLLM's "
+                            "environment): 16 requests of 2K-token prompts on a device pool a "
+                            "quarter of what they need, vLLM alone vs exact and top-k; passkeys "
+                            "at 4K (--smoke: 4 requests of 512 tokens)")
     bench.add_argument("--prompt-lengths", type=_ints, default=None,
                        help="--serving: prompt tokens per cell (default 128,512,1024,2048)")
     bench.add_argument("--pools", type=_floats, default=None,
@@ -647,6 +698,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help="-- then the arguments of `transformers serve`")
     serve.set_defaults(func=_cmd_serve)
 
+    vargs = sub.add_parser(
+        "vllm-args", help="the `vllm serve` flags that serve a model with tierattn's hot set",
+        description="Prints tierattn.vllm_engine_args(TierConfig.preset(PRESET, ...)) as `vllm "
+        "serve` flags (--json: as the keyword arguments of vllm.LLM).")
+    vargs.add_argument("--preset", choices=("offload", "topk"), default="offload",
+                       help="offload: every cold page attended (exact, default); topk: the "
+                            "Quest-ranked recall_budget of them")
+    vargs.add_argument("--hot-budget", type=_float_in(0.0, 1.0), default=None,
+                       help="share of each request kept on the device (default: the preset's)")
+    vargs.add_argument("--recall-budget", type=_float_in(0.0, 1.0), default=None,
+                       help="topk: share of the cold pages recalled per step")
+    vargs.add_argument("--page-size", type=_int_at_least(32), default=32,
+                       help="tokens per page = vLLM block (a multiple of 32 on CPU)")
+    vargs.add_argument("--prefill-chunk", type=_int_at_least(1), default=512,
+                       help="most prompt tokens a request adds per step")
+    vargs.add_argument("--tier", choices=("ddr", "cxl"), default="ddr",
+                       help="the host tier of cold pages")
+    vargs.add_argument("--capacity-gib", type=_float_in(0.0, 1e9), default=None,
+                       help="the host tier's capacity (default: up to half the host's memory)")
+    vargs.add_argument("--json", action="store_true", help="print vllm.LLM keyword arguments")
+    vargs.set_defaults(func=_cmd_vllm_args)
+
     info = sub.add_parser("info", help="versions, device and backend")
     info.set_defaults(func=_cmd_info)
     return parser
@@ -663,8 +736,8 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--q-heads {args.q_heads} must be a multiple of --kv-heads "
                          f"{args.kv_heads} (each KV head serves a group of query heads)")
     if args.command == "bench":
-        modes = [f.replace("_", "-") for f in ("disk", "host", "host_attn", "serving", "vllm")
-                 if getattr(args, f)]
+        modes = [f.replace("_", "-") for f in ("disk", "host", "host_attn", "serving", "vllm",
+                                                "vllm_hotset") if getattr(args, f)]
         if len(modes) > 1:
             raise UsageError(f"--{modes[0]} and --{modes[1]} are separate benchmarks; run them "
                              "one at a time")

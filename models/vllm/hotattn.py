@@ -280,8 +280,9 @@ class HotSetWorker:
         layer = self.layers[layer_name]
         q = query[:num_tokens]
         cap = impl.logits_soft_cap or None
-        hot = paged_prefill(q, read_blocks(kv_cache, step.hot_blocks), step.hot, step.qo_indptr, sm_scale=impl.scale,
-                            causal=True, softcap=cap, validate=False, backend=self.backend)
+        hot = paged_prefill(q, read_blocks(kv_cache, step.hot_blocks), step.hot, step.qo_indptr,
+                            sm_scale=impl.scale, causal=True, softcap=cap, validate=False,
+                            backend=self.backend)
         slots, count = self._recalled(step, layer, q, impl.scale)
         pool = self.host.pool(layer)
         if self.stage:  # recall into a device buffer: row r's first count[r] pages

@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                               KVConnectorMetadata,
-                                                               KVConnectorRole)
+                                                               KVConnectorMetadata)
 from vllm.forward_context import get_forward_context
 
 from tierattn.swaptiers import swap_capacities
