@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -54,7 +56,7 @@ def test_cli_lists_only_working_subcommands():
     out = subprocess.run([sys.executable, "-m", "tierattn.eval.cli", "--help"], capture_output=True,
                          text=True, check=True, cwd=ROOT.parent).stdout
     assert re.search(r"\{(.+)\}", out).group(1) == \
-        "demo,loop,eval,bench,models,autotune,serve,info"
+        "demo,loop,eval,bench,models,autotune,serve,vllm-args,info"
     info = subprocess.run([sys.executable, "-m", "tierattn.eval.cli", "info"], capture_output=True,
                           text=True, check=True, cwd=ROOT.parent).stdout
     assert '"tierattn": "0.1.0"' in info
@@ -74,3 +76,17 @@ def test_wheel_installs_one_namespace(tmp_path):
     # the host attention kernel's C source is built on the user's machine: it ships
     assert {"tierattn/kernels/csrc/host_decode.c",
             "tierattn/kernels/csrc/host_decode_body.h"} <= set(names)
+
+
+def test_vllm_args_prints_vllm_serve_flags_without_vllm():
+    # vllm_engine_args imports no vLLM: a launcher writes the flags for a server elsewhere
+    out = subprocess.run([sys.executable, "-m", "tierattn.eval.cli", "vllm-args", "--preset",
+                          "topk", "--hot-budget", "0.1"], capture_output=True, text=True,
+                         check=True, cwd=ROOT.parent).stdout
+    flags = shlex.split(out)
+    assert flags[:6] == ["--block-size", "32", "--no-enable-prefix-caching",
+                         "--long-prefill-token-threshold", "512", "--kv-transfer-config"]
+    kv = json.loads(flags[6])
+    assert kv["kv_connector"] == "TierattnHotSetConnector"
+    assert kv["kv_connector_extra_config"]["tier"]["hot_budget"] == 0.1
+    assert kv["kv_connector_extra_config"]["tier"]["recall_score"] == "quest"
