@@ -246,6 +246,13 @@ def test_installed_but_not_configured_vllm_is_unchanged(runs, models, tmp_path):
     assert runs("llama-vllm-ample").tokens == plain
 
 
+def test_prefix_caching_is_refused_by_name(models):
+    args = vcfg.vllm_engine_args(HOT)
+    args["enable_prefix_caching"] = True
+    with pytest.raises(Exception, match="enable_prefix_caching"):
+        run_llm(models["llama"], "llama", TIGHT, args)
+
+
 # --- units ------------------------------------------------------------------------------------
 
 
@@ -269,7 +276,7 @@ def _worker(kv_heads: int, ranges: torch.Tensor):
 
 
 def test_topk_picks_the_page_a_query_points_at():
-    from tierattn.models.vllm.hotattn import StepTables
+    from tierattn.models.vllm.hotattn import RowGroup
 
     torch.manual_seed(0)
     kv_heads, group, d, pages = 2, 2, 16, 12
@@ -278,9 +285,9 @@ def test_topk_picks_the_page_a_query_points_at():
     keys[7, 1, 5] = 4 * q[0, 2]  # page 7 holds the key head 1's queries point at
     ranges = torch.stack((keys.amin(2), keys.amax(2)), dim=1)  # [slots, 2, H, D]
     slots = torch.tensor([[3, 7, 1, 0, 11, -1]])  # host slots of the row's cold pages
-    step = StepTables(hot_blocks=None, hot=None, qo_indptr=torch.tensor([0, 1], dtype=torch.int32),
-                      cold_slots=slots, cold_count=torch.tensor([5]),
-                      recall=torch.tensor([2]), any_cold=True, most=2, topk=True)
+    step = RowGroup(decode=True, tokens=torch.tensor([0]), hot_blocks=None, hot=None,
+                    qo_indptr=torch.tensor([0, 1], dtype=torch.int32), cold_slots=slots,
+                    cold_count=torch.tensor([5]), recall=torch.tensor([2]), most=2, topk=True)
     chosen, count = _worker(kv_heads, ranges)._recalled(step, 0, q, d ** -0.5)
     assert count.tolist() == [2]
     assert 7 in chosen[0, :2].tolist()

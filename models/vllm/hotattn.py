@@ -8,11 +8,15 @@ tables once per step, on the host, before the forward (:meth:`HotSetWorker.begin
 vLLM's V1 model runner gives attention no request ids, so a batch row is matched to its request
 by the row's first block: a sink page, on the device for the request's whole life.
 
-Per layer (:meth:`HotSetWorker.attend`), after vLLM wrote the step's K/V into its blocks:
+Per layer (:meth:`HotSetWorker.attend`), after vLLM wrote the step's K/V into its blocks, for
+the decode rows and the prompt chunks apart:
 
-* the hot part: :func:`tierattn.kernels.paged_prefill` over the row's device blocks minus its
-  cold pages (causal: the pages being written are the compacted list's contiguous tail);
-* the cold part: the same kernel with ``causal=False`` over the cold pages -- every one of them
+* the hot part: the row's device blocks minus its cold pages -- decode rows by the compiled
+  host decode kernel of split attention (:func:`tierattn.kernels.host.host_decode`; on a GPU
+  :func:`tierattn.kernels.sparse_decode`), prompt chunks by
+  :func:`tierattn.kernels.paged_prefill` (causal: the pages being written are the compacted
+  list's contiguous tail);
+* the cold part: the same kernels (``causal=False``) over the cold pages -- every one of them
   (``attend="all"``: exact), or for decode rows the ``recall_budget`` pages with the highest
   Quest bound for this layer's query (``attend="topk"``; prompt chunks attend all of them),
   from a per-layer key range of every cold page (``kmin``/``kmax`` per KV head, kept on the
@@ -39,13 +43,14 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from tierattn.config import SwapConfig, TierConfig
 from tierattn.errors import UnsupportedModelError
-from tierattn.kernels import PageTable, copy_pages, merge_states, paged_prefill
+from tierattn.kernels import PageTable, copy_pages, merge_states, paged_prefill, sparse_decode
+from tierattn.kernels.host import host_decode, host_decode_available
 from tierattn.tiers import build_tier
 
 from .config import HOT_SET_CONNECTOR, hot_set_config
 from .hotset import HotSetSpec
 
-__all__ = ["HotSetWorker", "StepTables", "TierAttentionBackend", "TierAttentionImpl",
+__all__ = ["HotSetWorker", "RowGroup", "StepTables", "TierAttentionBackend", "TierAttentionImpl",
            "engine_hot_set"]
 
 #: the hot set of the engine whose model this process built last (None: not configured);
@@ -106,29 +111,42 @@ def check_layout(isa: str, dtype: torch.dtype, kv_heads: int, page: int, head_di
 
 
 @dataclass
-class StepTables:
-    """One step's page tables, built on the host before the forward.
+class RowGroup:
+    """Rows of one step attended the same way: decode rows (one query token each) or prompt
+    chunks. Built on the host before the forward.
 
     Attributes:
+        decode: one query token per row (host decode kernel; top-k recall applies).
+        tokens: ``[T]`` the rows' query tokens in the step's batch.
         hot_blocks: ``[nnz]`` the device blocks of every row's hot pages, row after row.
         hot: per row, its hot pages (entries of ``hot_blocks``), in logical order.
-        qo_indptr: ``[R+1]`` int32 query rows of each request.
+        qo_indptr: ``[R+1]`` int32 each row's queries within ``tokens``.
         cold_slots: ``[R, C]`` int64 host slots of each row's cold pages (-1 past its count).
         cold_count: ``[R]`` cold pages per row.
         recall: ``[R]`` cold pages a row attends (all of them, or its top-k for a decode row).
-        any_cold: whether any row has a cold page (else vLLM's own kernel runs).
         most: the largest ``recall`` (host int: sizes the staging buffer).
+        topk: some row attends fewer cold pages than it has.
     """
 
+    decode: bool
+    tokens: torch.Tensor
     hot_blocks: torch.Tensor
     hot: PageTable
     qo_indptr: torch.Tensor
     cold_slots: torch.Tensor
     cold_count: torch.Tensor
     recall: torch.Tensor
-    any_cold: bool
     most: int
     topk: bool
+
+
+@dataclass
+class StepTables:
+    """One step's row groups; ``any_cold``: some row has a cold page (else vLLM's own kernel
+    runs)."""
+
+    groups: list[RowGroup]
+    any_cold: bool
 
 
 class HotSetWorker:
@@ -160,6 +178,8 @@ class HotSetWorker:
                                grow=True)
         self.stage = stage_cold or self.host.device != self.device
         self.backend = "torch" if self.device.type == "cpu" else None
+        # a CPU engine's decode rows: the compiled host kernel (split attention's)
+        self.host_kernel = self.device.type == "cpu" and host_decode_available()
         # per layer: the key range of every host slot, [slots, 2, H_kv, D] (grown as used)
         self.ranges = [torch.zeros((0, 2, self.kv_heads, self.head_dim), dtype=torch.float32,
                                    device=self.device) for _ in kv_caches] \
@@ -200,17 +220,26 @@ class HotSetWorker:
         self.step = None
 
     def _tables(self, md) -> StepTables:
-        """Page tables of this step's rows (host work, once per step)."""
+        """Page tables of this step's rows, decode rows and prompt chunks apart (host work,
+        once per step)."""
         rows = int(md.seq_lens.shape[0])
         table = md.block_table[:rows].cpu()
         seq = md.seq_lens[:rows].cpu().tolist()
-        qsl = md.query_start_loc[:rows + 1].cpu()
-        qlen = (qsl[1:] - qsl[:-1]).tolist()
+        qsl = md.query_start_loc[:rows + 1].cpu().tolist()
+        groups, any_cold = [], False
+        for decode in (True, False):
+            picked = [r for r in range(rows) if (qsl[r + 1] - qsl[r] == 1) == decode]
+            if picked:
+                group = self._group(decode, picked, table, seq, qsl)
+                any_cold |= bool(group.most)
+                groups.append(group)
+        return StepTables(groups=groups, any_cold=any_cold)
+
+    def _group(self, decode: bool, picked: list[int], table: torch.Tensor, seq: list[int],
+               qsl: list[int]) -> RowGroup:
         p = self.page
-        indices, indptr, last = [], [0], []
-        colds: list[list[int]] = []
-        recall = []
-        for r in range(rows):
+        indices, indptr, last, colds, recall, tokens, qo = [], [0], [], [], [], [], [0]
+        for r in picked:
             n = -(-seq[r] // p)
             cold = dict(self.cold.get(int(table[r, 0]), ())) if n else {}
             hot = [int(table[r, j]) for j in range(n) if j not in cold]
@@ -219,27 +248,27 @@ class HotSetWorker:
             last.append(seq[r] - (n - 1) * p if hot else 0)
             colds.append([cold[j] for j in sorted(cold)])
             k = len(cold)
-            if self.tier.attend == "topk" and qlen[r] == 1:
+            if self.tier.attend == "topk" and decode:
                 k = min(k, self.tier.recall_pages(n, seq[r]))
             recall.append(k)
+            tokens += range(qsl[r], qsl[r + 1])
+            qo.append(len(tokens))
         width = max(1, max(len(c) for c in colds))
-        cold_slots = torch.full((rows, width), -1, dtype=torch.long)
-        for r, c in enumerate(colds):
-            cold_slots[r, :len(c)] = torch.tensor(c, dtype=torch.long)
-        dev = self.device
-        i32 = torch.int32
-        return StepTables(
+        cold_slots = torch.full((len(picked), width), -1, dtype=torch.long)
+        for i, c in enumerate(colds):
+            cold_slots[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+        dev, i32 = self.device, torch.int32
+        return RowGroup(
+            decode=decode, tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
             hot_blocks=torch.tensor(indices, dtype=torch.long, device=dev),
             hot=PageTable.from_csr(torch.tensor(indptr, dtype=i32, device=dev),
                                    torch.arange(len(indices), dtype=i32, device=dev),
                                    torch.tensor(last, dtype=i32, device=dev)),
-            qo_indptr=md.query_start_loc[:rows + 1].to(i32),
+            qo_indptr=torch.tensor(qo, dtype=i32, device=dev),
             cold_slots=cold_slots.to(dev),
             cold_count=torch.tensor([len(c) for c in colds], device=dev),
-            recall=torch.tensor(recall, device=dev),
-            any_cold=any(colds), most=max(recall),
-            topk=self.tier.attend == "topk" and any(
-                k < len(c) for k, c in zip(recall, colds)))
+            recall=torch.tensor(recall, device=dev), most=max(recall),
+            topk=any(k < len(c) for k, c in zip(recall, colds)))
 
     # -- per layer ----------------------------------------------------------------------------
 
@@ -272,49 +301,65 @@ class HotSetWorker:
         return step.any_cold
 
     def attend(self, impl: CPUAttentionBackendImpl, layer_name: str, query: torch.Tensor,
-               kv_cache: torch.Tensor, output: torch.Tensor, num_tokens: int) -> None:
-        """``output[:num_tokens] =`` attention of ``query`` over each row's hot blocks and its
-        cold pages (module docstring). ``query [T, H_q, D]``; ``output [T, H_q * D]`` or
-        ``[T, H_q, D]``."""
-        step = self.step
+               kv_cache: torch.Tensor, output: torch.Tensor) -> None:
+        """``output`` rows of this step's tokens = attention of ``query`` over each row's hot
+        blocks and its cold pages (module docstring). ``query [T, H_q, D]``; ``output
+        [T, H_q * D]`` or ``[T, H_q, D]``."""
         layer = self.layers[layer_name]
-        q = query[:num_tokens]
-        cap = impl.logits_soft_cap or None
-        hot = paged_prefill(q, read_blocks(kv_cache, step.hot_blocks), step.hot, step.qo_indptr,
-                            sm_scale=impl.scale, causal=True, softcap=cap, validate=False,
-                            backend=self.backend)
-        slots, count = self._recalled(step, layer, q, impl.scale)
-        pool = self.host.pool(layer)
-        if self.stage:  # recall into a device buffer: row r's first count[r] pages
-            rows, width = slots.shape[0], max(1, step.most)
-            staged = torch.empty((rows * width, *pool.shape[1:]), dtype=pool.dtype,
-                                 device=self.device)
-            used = torch.arange(width, device=self.device) < count.unsqueeze(1)
-            src = torch.where(used, slots[:, :width].to(self.device), -1)
-            dst = torch.where(used, torch.arange(rows * width, device=self.device)
-                              .view(rows, width), -1)
-            copy_pages(pool, src.reshape(-1).to(torch.int32), staged,
-                       dst.reshape(-1).to(torch.int32), validate=False, backend=self.backend)
-            pool, slots = staged, dst
-        cold_table = PageTable.from_padded(slots.clamp_min(0).to(torch.int32),
-                                           (count * self.page).to(torch.int32), self.page)
-        cold = paged_prefill(q, pool, cold_table, step.qo_indptr, sm_scale=impl.scale,
-                             causal=False, softcap=cap, validate=False, backend=self.backend)
-        out, _ = merge_states(torch.stack((hot.out, cold.out)), torch.stack((hot.lse, cold.lse)),
-                              backend=self.backend)
-        output[:num_tokens].copy_(out.reshape(output[:num_tokens].shape))
+        rows_out = output.view(output.shape[0], -1)
+        for group in self.step.groups:
+            q = query.index_select(0, group.tokens)
+            hot = self._attend(group, q, read_blocks(kv_cache, group.hot_blocks), group.hot,
+                               impl, causal=True)
+            slots, count = self._recalled(group, layer, q, impl.scale)
+            pool = self.host.pool(layer)
+            if self.stage:  # recall into a device buffer: row r's first count[r] pages
+                rows, width = slots.shape[0], max(1, group.most)
+                staged = torch.empty((rows * width, *pool.shape[1:]), dtype=pool.dtype,
+                                     device=self.device)
+                used = torch.arange(width, device=self.device) < count.unsqueeze(1)
+                src = torch.where(used, slots[:, :width].to(self.device), -1)
+                dst = torch.where(used, torch.arange(rows * width, device=self.device)
+                                  .view(rows, width), -1)
+                copy_pages(pool, src.reshape(-1).to(torch.int32), staged,
+                           dst.reshape(-1).to(torch.int32), validate=False, backend=self.backend)
+                pool, slots = staged, dst
+            cold_table = PageTable.from_padded(slots.clamp_min(0).to(torch.int32),
+                                               (count * self.page).to(torch.int32), self.page)
+            cold = self._attend(group, q, pool, cold_table, impl, causal=False)
+            out, _ = merge_states(torch.stack((hot[0], cold[0])), torch.stack((hot[1], cold[1])),
+                                  backend=self.backend)
+            rows_out.index_copy_(0, group.tokens, out.reshape(len(group.tokens), -1)
+                                 .to(rows_out.dtype))
 
-    def _recalled(self, step: StepTables, layer: int, q: torch.Tensor, scale: float
+    def _attend(self, group: RowGroup, q: torch.Tensor, pool: torch.Tensor, table: PageTable,
+                impl: CPUAttentionBackendImpl, *, causal: bool) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+        """``(out, lse)`` of ``q`` over ``pool``'s pages in ``table``: decode rows by the
+        compiled host kernel on a CPU engine (else :func:`sparse_decode`), prompt chunks by
+        :func:`paged_prefill` (causal over the hot pages, whose tail holds the chunk)."""
+        cap = impl.logits_soft_cap or None
+        if not group.decode:
+            o = paged_prefill(q, pool, table, group.qo_indptr, sm_scale=impl.scale,
+                              causal=causal, softcap=cap, validate=False, backend=self.backend)
+        elif self.host_kernel:
+            o = host_decode(q, pool, table, sm_scale=impl.scale, softcap=cap, validate=False)
+        else:
+            o = sparse_decode(q, pool, table, sm_scale=impl.scale, softcap=cap, validate=False,
+                              backend=self.backend)
+        return o.out, o.lse
+
+    def _recalled(self, group: RowGroup, layer: int, q: torch.Tensor, scale: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """``([R, C] host slots, [R] counts)`` each row attends in its cold part, the chosen
         first: all of them, or for a decode row under ``attend="topk"`` the ``recall[r]`` pages
         with the largest Quest bound of this layer's query (device ops only)."""
-        if not step.topk:
-            return step.cold_slots, step.cold_count
-        slots = step.cold_slots
+        if not group.topk:
+            return group.cold_slots, group.cold_count
+        slots = group.cold_slots
         valid = slots >= 0
         rng = self.ranges[layer][slots.clamp_min(0)]             # [R, C, 2, H, D]
-        last = step.qo_indptr[1:].long() - 1                     # each row's last query
+        last = group.qo_indptr[1:].long() - 1                     # each row's last query
         rows, hq, d = slots.shape[0], q.shape[1], q.shape[2]
         qr = q[last].float().view(rows, 1, self.kv_heads, hq // self.kv_heads, d)
         lo, hi = rng[:, :, 0].unsqueeze(3), rng[:, :, 1].unsqueeze(3)  # [R, C, H, 1, D]
@@ -327,7 +372,7 @@ class HotSetWorker:
         rank = torch.empty_like(order)
         rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device)
                       .expand_as(order))
-        chosen = valid & (rank < step.recall.unsqueeze(1))
+        chosen = valid & (rank < group.recall.unsqueeze(1))
         # chosen pages first, in logical order (a prompt row keeps every cold page)
         key = torch.where(chosen, torch.arange(slots.shape[1], device=slots.device), slots.shape[1])
         first = key.argsort(dim=1, stable=True)
@@ -357,8 +402,7 @@ class TierAttentionImpl(CPUAttentionBackendImpl):
         if worker is None or attn_metadata is None or not worker.has_cold(attn_metadata):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
-        worker.attend(self, layer.layer_name, query, kv_cache, output,
-                      attn_metadata.num_actual_tokens)
+        worker.attend(self, layer.layer_name, query, kv_cache, output)
         return output
 
 

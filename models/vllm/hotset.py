@@ -35,7 +35,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from tierattn.config import TierConfig
-from tierattn.errors import KVCapacityError
+from tierattn.errors import TierConfigError
 
 __all__ = ["HotSetManager", "HotSetSpec", "cold_end", "register_spec"]
 
@@ -83,7 +83,7 @@ class HotSetManager(FullAttentionManager):
     def __init__(self, kv_cache_spec: HotSetSpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
         if self.enable_caching:
-            raise KVCapacityError(
+            raise TierConfigError(
                 "tierattn's hot set: prefix caching is not supported (a cold block may be shared "
                 "by several requests); build the engine with enable_prefix_caching=False "
                 "(tierattn.vllm_engine_args does).")
