@@ -254,7 +254,7 @@ def test_topk_over_disk_reads_its_misses_and_equals_topk_over_ddr(tmp_path, pref
                             max_context=128, prefill_chunk_size=64, backend="torch",
                             tiers=(TierSpec("hbm"), TierSpec("ddr")), prefetch=prefetch)
     ref, disk, gen = _topk_twins(cfg, tmp_path, seed)
-    for step in range(8):  # fresh queries: the selections move
+    for _step in range(8):  # fresh queries: the selections move
         for layer in range(L):
             k, v, q = (torch.randn(2, h, 1, D, generator=gen) for h in (HKV, HKV, HQ))
             for c in (ref, disk):

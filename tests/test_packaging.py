@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -62,11 +63,17 @@ def test_cli_lists_only_working_subcommands():
     assert '"tierattn": "0.1.0"' in info
 
 
-def test_wheel_installs_one_namespace(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
     pytest.importorskip("setuptools", minversion="77")
+    out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
-    (wheel,) = tmp_path.glob("tierattn-*.whl")
+                    "-q", "-w", str(out), str(ROOT)], check=True, capture_output=True)
+    (whl,) = out.glob("tierattn-*.whl")
+    return whl
+
+
+def test_wheel_installs_one_namespace(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"tierattn"}, f"the wheel installs more than tierattn/: {sorted(top)}"
@@ -76,6 +83,32 @@ def test_wheel_installs_one_namespace(tmp_path):
     # the host attention kernel's C source is built on the user's machine: it ships
     assert {"tierattn/kernels/csrc/host_decode.c",
             "tierattn/kernels/csrc/host_decode_body.h"} <= set(names)
+    # the benchmarks' hardware profiles are package data
+    assert {"tierattn/eval/hardware/h100.json", "tierattn/eval/hardware/h200.json"} <= set(names)
+
+
+def test_the_installed_wheel_runs_without_the_source_tree(wheel, tmp_path):
+    # installed (not editable) into a folder of its own, run from elsewhere: only the wheel's
+    # files are importable as tierattn
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(site), str(wheel)], check=True, capture_output=True)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def cli(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "tierattn.eval.cli", *args],
+                              capture_output=True, text=True, env=env, cwd=run)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    where = subprocess.run([sys.executable, "-c", "import tierattn; print(tierattn.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=run, check=True).stdout
+    assert where.strip().startswith(str(site))
+    assert '"tierattn": "0.1.0"' in cli("info")
+    out = cli("bench", "--smoke", "--out-root", str(tmp_path / "results"))
+    assert list((tmp_path / "results").rglob("*.json"))
 
 
 def test_vllm_args_prints_vllm_serve_flags_without_vllm():

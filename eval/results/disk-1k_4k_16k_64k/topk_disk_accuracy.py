@@ -1,7 +1,10 @@
 """topk with its cold pages on disk vs topk over DDR on the shipped reasoner's default task at
 25% HBM (the eval's own topk cell, equal HBM bytes): misses read at their layer (the default)
 and deferred a step. Run: python topk_disk_accuracy.py [N] (N items, default 200)."""
-import dataclasses, sys, tempfile, time
+import sys
+import tempfile
+import time
+
 from tierattn.config import TierSpec
 from tierattn.eval.reasoning import (ReasoningSpec, tasks, make_examples, _pointer_items,
                                      _plan, _reference, evaluate_items, EOS, PAD)
