@@ -267,6 +267,45 @@ def test_cold_pages_are_those_past_the_hot_budget():
     assert cold_end(tier.replace(hot_budget=64), 1024) == 32 - 2  # a token budget: 2 pages
 
 
+def _manager(host_slots: int):
+    from vllm.v1.core.block_pool import BlockPool
+
+    from tierattn.models.vllm.hotset import HotSetManager, HotSetSpec
+
+    spec = HotSetSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                      tier=HOT, chunk_tokens=128)
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=False, hash_block_size=BLOCK)
+    m = HotSetManager(spec, block_pool=pool, enable_caching=False, kv_cache_group_id=0,
+                      scheduler_block_size=BLOCK)
+    m.set_host_slots(host_slots)
+    return m, pool
+
+
+def test_the_manager_frees_a_cold_block_only_once_it_has_a_copy():
+    m, pool = _manager(host_slots=4)
+    free = pool.get_num_free_blocks()
+    m.allocate_new_blocks("r", 20 * BLOCK, 20 * BLOCK)  # a 640-token prompt, one step
+    assert pool.get_num_free_blocks() == free - 20
+    m.remove_skipped_blocks("r", 20 * BLOCK)  # no copies yet: nothing is freed
+    assert pool.get_num_free_blocks() == free - 20
+    # 20 full pages at 25%: sink 0, cold 1..15, recent 16..19; the host tier has 4 slots
+    copies = m.reserve_copies("r", 20 * BLOCK)
+    assert [slot for _, slot in copies] == [0, 1, 2, 3] and m.no_room == 1
+    assert m.take_pending() == copies
+    m.remove_skipped_blocks("r", 20 * BLOCK)
+    assert pool.get_num_free_blocks() == free - 16  # the 4 copied pages, no other
+    assert [p for p, _ in m.cold_pages("r")] == [1, 2, 3, 4]
+    m.free("r")  # finished or preempted: every block and host slot back
+    assert pool.get_num_free_blocks() == free and m.free_host_slots() == 4
+
+
+def test_admission_counts_the_hot_set_at_its_peak():
+    m, _ = _manager(host_slots=1000)
+    # a 2,048-token prompt: 64 blocks; with the hot set, 16 recent + chunk of 4 + 1 in progress
+    assert m.peak_blocks(2048) == 16 + 4 + 1
+    assert m.peak_blocks(64) == 2  # a short prompt: its own length
+
+
 def _worker(kv_heads: int, ranges: torch.Tensor):
     from tierattn.models.vllm.hotattn import HotSetWorker
 
