@@ -647,7 +647,7 @@ def reasoner_step_times(*, prompt_tokens: int = 256, steps: int = 32, repeats: i
             return times, stats, (kt.summary() if timer else None)
         finally:
             if handle is not None:
-                handle.unpatch()
+                handle.undo()
             model.set_attn_implementation(orig_attn)
 
     times: dict[str, list[float]] = {v: [] for v in variants}

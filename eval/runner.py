@@ -117,7 +117,7 @@ def decode(model, prompts: list[list[int]], config: TierConfig | None, *, steps:
         stats = cache.stats() if config is not None else {}
     finally:
         if handle is not None:
-            handle.unpatch()
+            handle.undo()
     return Decoded(torch.stack(tokens, 1), torch.stack(logprobs, 1), stats,
                    [len(p) for p in prompts])
 

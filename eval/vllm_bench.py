@@ -258,6 +258,17 @@ def _one_policy(policy: str, spec: VllmBenchSpec, model: Path, work: dict, disk:
     return out
 
 
+def run_in_process(module: str, name: str, args: list[str], dst: Path) -> dict:
+    """``python -m module --one name ARGS --dst DST``: one run, a fresh engine in its own
+    process, started in ``dst``'s folder (not the repository root, whose kernels/ folder would
+    shadow a package); returns the JSON it wrote."""
+    done = subprocess.run([sys.executable, "-m", module, "--one", name, *args, "--dst", str(dst)],
+                          capture_output=True, text=True, cwd=dst.parent)
+    if done.returncode:
+        raise RuntimeError(f"the {name} run failed:\n{done.stderr[-4000:]}")
+    return json.loads(dst.read_text())
+
+
 def run_vllm_bench(spec: VllmBenchSpec, *, out_root: str | Path = "eval/results",
                    model_dir: str | Path | None = None) -> dict:
     """Every policy of ``spec`` in its own process; returns (and writes) the results."""
@@ -265,7 +276,7 @@ def run_vllm_bench(spec: VllmBenchSpec, *, out_root: str | Path = "eval/results"
 
     import vllm
 
-    from tierattn.eval.report import new_results_dir, save_json, write_csv
+    from tierattn.eval.report import new_results_dir
 
     cache = Path(model_dir or Path(tempfile.gettempdir()) / "tierattn-smollm2-f32")
     model = export_smollm2(cache)
@@ -277,21 +288,24 @@ def run_vllm_bench(spec: VllmBenchSpec, *, out_root: str | Path = "eval/results"
         (Path(tmp) / "work.json").write_text(json.dumps(work))
         todo = [(p, k) for k in range(spec.repeats) for p in spec.policies]
         for policy, k in tqdm(todo, desc="vllm bench", unit="run"):
-            dst = Path(tmp) / f"{policy}-{k}.json"
-            cmd = [sys.executable, "-m", "tierattn.eval.vllm_bench", "--one", policy,
-                   "--spec", json.dumps(dataclasses.asdict(spec)), "--model", str(model),
-                   "--work", str(Path(tmp) / "work.json"), "--disk", str(Path(tmp) / "disk"),
-                   "--dst", str(dst)]
-            # not from the repository root: its kernels/ folder would shadow a package
-            done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
-            if done.returncode:
-                raise RuntimeError(f"the {policy} run failed:\n{done.stderr[-4000:]}")
-            runs.append({**json.loads(dst.read_text()), "repeat": k})
-    result = _summarise(spec, runs, vllm.__version__)
+            run = run_in_process("tierattn.eval.vllm_bench", policy, [
+                "--spec", json.dumps(dataclasses.asdict(spec)), "--model", str(model),
+                "--work", str(Path(tmp) / "work.json"), "--disk", str(Path(tmp) / "disk")],
+                Path(tmp) / f"{policy}-{k}.json")
+            runs.append({**run, "repeat": k})
+    return save_results(_summarise(spec, runs, vllm.__version__), out, model,
+                        _plot, "returning_ttft.png")
+
+
+def save_results(result: dict, out: Path, model: Path, plot, figure: str) -> dict:
+    """``results.json`` (with the model folder), ``runs.csv`` of its rows and ``plot(result,
+    out / figure)``; returns ``result`` with ``out``."""
+    from tierattn.eval.report import save_json, write_csv
+
     result["config"]["model_dir"] = str(model)
     save_json(result, out / "results.json")
     write_csv(result["rows"], out / "runs.csv")
-    _plot(result, out / "returning_ttft.png")
+    plot(result, out / figure)
     result["out"] = str(out)
     return result
 

@@ -33,13 +33,13 @@ import os
 import platform
 import random
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierattn.eval.vllm_bench import _kv_bytes_per_token, _metrics, _pct, _texts_ids, export_smollm2
+from tierattn.eval.vllm_bench import (_kv_bytes_per_token, _metrics, _pct, _texts_ids,
+                                      export_smollm2, run_in_process, save_results)
 
 __all__ = ["RUNS", "HotSetBenchSpec", "hotset_summary", "run_hotset_bench"]
 
@@ -214,7 +214,7 @@ def run_hotset_bench(spec: HotSetBenchSpec, *, out_root: str | Path = "eval/resu
 
     import vllm
 
-    from tierattn.eval.report import new_results_dir, save_json, write_csv
+    from tierattn.eval.report import new_results_dir
 
     model = export_smollm2(Path(model_dir or Path(tempfile.gettempdir()) /
                                 "tierattn-smollm2-f32"))
@@ -225,22 +225,11 @@ def run_hotset_bench(spec: HotSetBenchSpec, *, out_root: str | Path = "eval/resu
     with tempfile.TemporaryDirectory(prefix="tierattn-hotset-") as tmp:
         (Path(tmp) / "work.json").write_text(json.dumps(work))
         for run in tqdm(spec.runs, desc="vllm hot-set bench", unit="run"):
-            dst = Path(tmp) / f"{run}.json"
-            cmd = [sys.executable, "-m", "tierattn.eval.vllm_hotset_bench", "--one", run,
-                   "--spec", json.dumps(dataclasses.asdict(spec)), "--model", str(model),
-                   "--work", str(Path(tmp) / "work.json"), "--dst", str(dst)]
-            # not from the repository root: its kernels/ folder would shadow a package
-            done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
-            if done.returncode:
-                raise RuntimeError(f"the {run} run failed:\n{done.stderr[-4000:]}")
-            runs.append(json.loads(dst.read_text()))
-    result = _summarise(spec, runs, vllm.__version__)
-    result["config"]["model_dir"] = str(model)
-    save_json(result, out / "results.json")
-    write_csv(result["rows"], out / "runs.csv")
-    _plot(result, out / "hotset.png")
-    result["out"] = str(out)
-    return result
+            runs.append(run_in_process("tierattn.eval.vllm_hotset_bench", run, [
+                "--spec", json.dumps(dataclasses.asdict(spec)), "--model", str(model),
+                "--work", str(Path(tmp) / "work.json")], Path(tmp) / f"{run}.json"))
+    return save_results(_summarise(spec, runs, vllm.__version__), out, model, _plot,
+                        "hotset.png")
 
 
 def _summarise(spec: HotSetBenchSpec, runs: list[dict], vllm_version: str) -> dict:

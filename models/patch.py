@@ -223,8 +223,10 @@ class PatchHandle:
         """Telemetry of the last tiered cache ``generate`` used ({} before the first call)."""
         return self.cache.stats() if self.cache is not None else {}
 
-    def unpatch(self) -> None:
-        """Restore the model exactly (attention implementation, ``generate``)."""
+    def undo(self) -> None:
+        """Restore the model exactly (attention implementation, ``generate``); idempotent.
+        Every tierattn handle undoes with ``undo()`` (:class:`~tierattn.models.SwapHandle`
+        too)."""
         if not self.active:
             return
         self.model.set_attn_implementation(self._attn)
@@ -233,11 +235,14 @@ class PatchHandle:
         del self.model._tierattn_handle
         self.active = False
 
+    #: the former name of :meth:`undo`, kept as an alias
+    unpatch = undo
+
     def __enter__(self) -> PatchHandle:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.unpatch()
+        self.undo()
 
 
 def patch(model, config: TierConfig | None = None, *,

@@ -110,8 +110,11 @@ def test_patch_is_reversible_idempotent_and_a_context_manager():
     assert model.config._attn_implementation == "tierattn"
     with pytest.raises(ValueError, match="already patched"):
         tierattn.patch(model, exact_config(hot_budget=12))
-    handle.unpatch()
-    handle.unpatch()  # a second unpatch is harmless
+    handle.undo()
+    handle.undo()  # a second undo is harmless
+    assert (model.config._attn_implementation, "generate" in vars(model)) == before
+    handle = tierattn.patch(model, cfg)
+    handle.unpatch()  # the former name, an alias
     assert (model.config._attn_implementation, "generate" in vars(model)) == before
     with tierattn.patch(model, cfg):
         assert model.config._attn_implementation == "tierattn"

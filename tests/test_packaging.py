@@ -107,7 +107,7 @@ def test_the_installed_wheel_runs_without_the_source_tree(wheel, tmp_path):
                            capture_output=True, text=True, env=env, cwd=run, check=True).stdout
     assert where.strip().startswith(str(site))
     assert '"tierattn": "0.1.0"' in cli("info")
-    out = cli("bench", "--smoke", "--out-root", str(tmp_path / "results"))
+    cli("bench", "--smoke", "--out-root", str(tmp_path / "results"))
     assert list((tmp_path / "results").rglob("*.json"))
 
 

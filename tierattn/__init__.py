@@ -26,7 +26,6 @@ _LAZY = {
     "TierSpec": "tierattn.config",
     "PRESETS": "tierattn.config",
     "TieredKVCache": "tierattn.cache",
-    "FakeAsyncEngine": "tierattn.transfer",
     "CPUTransferEngine": "tierattn.transfer",
     "CUDATransferEngine": "tierattn.transfer",
     "patch": "tierattn.models.patch",
@@ -52,7 +51,6 @@ def __getattr__(name: str):
 __all__ = [
     "CPUTransferEngine",
     "CUDATransferEngine",
-    "FakeAsyncEngine",
     "KVCapacityError",
     "KVFileError",
     "KVIOError",
