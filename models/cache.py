@@ -18,7 +18,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tierattn.cache import TieredKVCache
 from tierattn.config import TierConfig
-from tierattn.errors import KernelInputError, TierConfigError, UnsupportedModelError
+from tierattn.errors import (KernelInputError, TierConfigError, UnsupportedDecodingError,
+                             UnsupportedModelError)
 from tierattn.models.support import layer_kinds
 from tierattn.telemetry import all_ranks as all_ranks_stats
 from tierattn.telemetry import summarize
@@ -121,22 +122,22 @@ class _TieredLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError(
+        raise UnsupportedDecodingError(
             "tierattn: beam search is not supported by the tiered cache yet; use greedy or "
             "sampling (num_beams=1).")
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError(
+        raise UnsupportedDecodingError(
             "tierattn: cropping the tiered cache (assisted or contrastive decoding) is not "
             "supported; use greedy or sampling decoding.")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
-            raise NotImplementedError(
+            raise UnsupportedDecodingError(
                 "tierattn: num_return_sequences > 1 is not supported by the tiered cache yet.")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("tierattn: selecting batch rows of the tiered cache is not "
+        raise UnsupportedDecodingError("tierattn: selecting batch rows of the tiered cache is not "
                                   "supported.")
 
 
@@ -314,7 +315,7 @@ class TieredCache(Cache):
         for rt in self.runtimes:
             rt.settle()
         if self._mask_bad is not None and bool(self._mask_bad):
-            raise NotImplementedError(
+            raise UnsupportedDecodingError(
                 "tierattn: a decode step's attention_mask was not the prompt's left padding "
                 "followed by ones; the tiered cache supports a fixed left padding (pad on the "
                 "left, as generate() does for decoder-only models).")

@@ -218,7 +218,7 @@ class TieredOffloadingManager(OffloadingManager):
             rid = state.request_id
             if state.is_cpu_offloaded:
                 if rid not in self._admitted:
-                    raise RuntimeError(
+                    raise UnsupportedEngineError(
                         f"tierattn.swap: request {rid!r} was scheduled from the swap tiers "
                         "without being admitted through the cache; transformers' internals "
                         "changed (see tierattn.models.continuous.SUPPORTED).")
@@ -431,8 +431,8 @@ def swap(model, config: SwapConfig | None = None) -> SwapHandle:
     existing = getattr(model, "_tierattn_swap", None)
     if existing is not None and existing.active:
         if existing.config != config:
-            raise ValueError("tierattn.swap: the model already swaps with another config; call "
-                             "handle.undo() first.")
+            raise TierConfigError("tierattn.swap: the model already swaps with another config; "
+                                  "call handle.undo() first.")
         return existing
     handle = SwapHandle(model, config)
     handle._apply()

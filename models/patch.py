@@ -29,7 +29,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from tierattn.config import TierConfig
-from tierattn.errors import TierConfigError, UnsupportedModelError
+from tierattn.errors import (TierConfigError, TierStateError, UnsupportedDecodingError,
+                             UnsupportedModelError)
 from tierattn.models.cache import CACHE_KWARG, CURRENT, TieredCache
 from tierattn.models.support import check_model
 
@@ -54,7 +55,7 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     cache = kwargs.get(CACHE_KWARG) or CURRENT.get()
     CURRENT.set(None)  # consumed: an attention call with no update before it finds no cache
     if not isinstance(cache, TieredCache) or not cache.runtimes:
-        raise RuntimeError(
+        raise TierStateError(
             "tierattn: the patched model ran attention without its TieredCache (plain forward "
             "without a cache?). Call generate(), or pass cache=TieredCache(model.config, config).")
     layer = cache.pending_layer  # the cache layer the module stored its K/V in
@@ -66,7 +67,8 @@ def tiered_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
             _left_padding(cache, attention_mask)
     cache.pending_layer = None
     if dropout:
-        raise NotImplementedError("tierattn: attention dropout is not supported (inference only).")
+        raise UnsupportedDecodingError(
+            "tierattn: attention dropout is not supported (inference only): call model.eval().")
     out = cache.attend(layer, query, sm_scale=scaling,
                                softcap=kwargs.get("softcap"),
                                sliding_window=kwargs.get("sliding_window"),
@@ -115,12 +117,12 @@ def _left_padding(cache: TieredCache, mask: torch.Tensor) -> None:
         left = torch.arange(keep.shape[1], device=keep.device)[None, :] >= pad.to(keep.device)[
             :, None]
         if not torch.equal(keep, left):
-            raise NotImplementedError(
+            raise UnsupportedDecodingError(
                 "tierattn: only left padding is supported (attention_mask rows of the form "
                 "0..0 1..1); pad on the left, as generate() expects for decoder-only models.")
     if not torch.equal(cache.pad, pad):
         if bool((cache.pad > 0).any()):
-            raise NotImplementedError(
+            raise UnsupportedDecodingError(
                 f"tierattn: the padding changed from {cache.pad.tolist()} to {pad.tolist()} "
                 "tokens during generation; the tiered cache supports a fixed left padding.")
         cache.set_padding(pad)
@@ -178,17 +180,18 @@ class PatchHandle:
         @functools.wraps(original)
         def generate(*args, **kwargs):
             if kwargs.get("num_beams", 1) != 1:
-                raise NotImplementedError("tierattn: beam search is not supported yet.")
+                raise UnsupportedDecodingError("tierattn: beam search is not supported yet.")
             for name, what in (("assistant_model", "assisted decoding"),
                                ("prompt_lookup_num_tokens", "prompt-lookup decoding"),
                                ("penalty_alpha", "contrastive search")):
                 if kwargs.get(name) is not None:
-                    raise NotImplementedError(
+                    raise UnsupportedDecodingError(
                         f"tierattn: {what} rolls the cache back, which the tiered cache does not "
                         "support yet; use greedy or sampling decoding.")
             if kwargs.get("num_return_sequences", 1) != 1:
-                raise NotImplementedError("tierattn: num_return_sequences > 1 is not supported "
-                                          "yet.")
+                raise UnsupportedDecodingError(
+                    "tierattn: num_return_sequences > 1 is not supported yet; pass the prompt "
+                    "several times instead.")
             if self._cache_arg not in kwargs:  # accept both names on every 5.x release
                 other = "past_key_values" if self._cache_arg == "cache" else "cache"
                 if other in kwargs:
@@ -215,7 +218,7 @@ class PatchHandle:
             self.cache.verify()
         stats = self.stats()
         if not stats or not stats["total"]["attend_calls"]:
-            raise RuntimeError(
+            raise TierStateError(
                 "tierattn: generate() finished but the tiered attention never ran (a broken "
                 "attention registration would silently fall back to another implementation).")
 
@@ -273,8 +276,8 @@ def patch(model, config: TierConfig | None = None, *,
     existing = getattr(model, "_tierattn_handle", None)
     if existing is not None and existing.active:
         if existing.config != config:
-            raise ValueError("tierattn.patch: the model is already patched with another "
-                             "config; call handle.unpatch() first.")
+            raise TierConfigError("tierattn.patch: the model is already patched with another "
+                                  "config; call handle.undo() first.")
         return existing
     check_model(model)
     handle = PatchHandle(model, copy.deepcopy(config))

@@ -108,7 +108,7 @@ def test_patch_is_reversible_idempotent_and_a_context_manager():
     handle = tierattn.patch(model, cfg)
     assert tierattn.patch(model, cfg) is handle  # twice: the same handle
     assert model.config._attn_implementation == "tierattn"
-    with pytest.raises(ValueError, match="already patched"):
+    with pytest.raises(tierattn.TierConfigError, match="already patched"):
         tierattn.patch(model, exact_config(hot_budget=12))
     handle.undo()
     handle.undo()  # a second undo is harmless
@@ -214,13 +214,14 @@ def test_a_decode_mask_that_is_not_the_prompts_left_padding_is_refused():
         bad[0, 3] = 0
         model(input_ids=ids[:, -1:], attention_mask=bad, position_ids=pos[:, -1:] + 2,
               use_cache=True, **{arg: cache})
-        with pytest.raises(NotImplementedError, match="left padding"):
+        with pytest.raises(tierattn.UnsupportedDecodingError, match="left padding"):
             cache.verify()
 
 
 def test_plain_forward_without_the_cache_is_refused():
     model = tiny("llama")
-    with tierattn.patch(model, exact_config()), pytest.raises(RuntimeError, match="TieredCache"):
+    with tierattn.patch(model, exact_config()), \
+            pytest.raises(tierattn.TierStateError, match="TieredCache"):
         model(torch.randint(3, 128, (1, 5)), use_cache=False)
 
 
@@ -230,9 +231,9 @@ def test_unsupported_requests_are_refused_clearly():
     mask = torch.ones_like(padded)
     mask[0, -3:] = 0  # right padding
     with tierattn.patch(model, exact_config()):
-        with pytest.raises(NotImplementedError, match="left padding"):
+        with pytest.raises(tierattn.UnsupportedDecodingError, match="left padding"):
             generate(model, padded, attention_mask=mask)
-        with pytest.raises(NotImplementedError, match="beam"):
+        with pytest.raises(tierattn.UnsupportedDecodingError, match="beam"):
             generate(model, padded[:1], num_beams=2)
 
 
@@ -355,5 +356,5 @@ def test_chunked_prefill_through_generate():
 def test_assisted_decoding_is_refused():
     model, assistant = tiny("llama"), tiny("llama")
     ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(8))
-    with tierattn.patch(model, exact_config()), pytest.raises(NotImplementedError):
+    with tierattn.patch(model, exact_config()), pytest.raises(tierattn.UnsupportedDecodingError):
         generate(model, ids, assistant_model=assistant)

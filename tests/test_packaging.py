@@ -123,3 +123,12 @@ def test_vllm_args_prints_vllm_serve_flags_without_vllm():
     assert kv["kv_connector"] == "TierattnHotSetConnector"
     assert kv["kv_connector_extra_config"]["tier"]["hot_budget"] == 0.1
     assert kv["kv_connector_extra_config"]["tier"]["recall_score"] == "quest"
+
+
+def test_engine_integrations_raise_only_typed_errors():
+    # models/ raises tierattn's errors (tierattn/errors.py: each names the argument and the fix)
+    untyped = re.compile(r"raise (ValueError|RuntimeError|NotImplementedError|TypeError|"
+                         r"KeyError|AssertionError)\(")
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "models").rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if untyped.search(line)]
+    assert hits == []

