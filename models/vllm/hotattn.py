@@ -1,5 +1,5 @@
 """The worker half of tierattn's hot set in vLLM: the host tier of cold pages, the copies into
-it, and attention over the hot blocks in place plus the cold pages, merged by LSE.
+it, and attention over the hot blocks plus the cold pages, merged by LSE.
 
 :class:`HotSetWorker` lives in each worker process (built by the connector). Each step the
 scheduler sends (:class:`~tierattn.models.vllm.hotconnector.HotSetMetadata`) the pages to copy
@@ -184,11 +184,10 @@ class HotSetWorker:
         self.ranges = [torch.zeros((0, 2, self.kv_heads, self.head_dim), dtype=torch.float32,
                                    device=self.device) for _ in kv_caches] \
             if tier.attend == "topk" else []
-        self.stores = torch.zeros((0,), dtype=torch.long), torch.zeros((0,), dtype=torch.long)
+        self.stores = (torch.zeros((0,), dtype=torch.long),) * 3
         self.cold: dict[int, list[tuple[int, int]]] = {}
         self.step: StepTables | None = None
         self.step_keys: set[int] = set()
-        self.stored_pages = 0
 
     # -- once per step ------------------------------------------------------------------------
 
@@ -208,7 +207,11 @@ class HotSetWorker:
                                         dtype=r.dtype, device=r.device)
                     grown[:r.shape[0]] = r
                     self.ranges[i] = grown
-        self.stores = torch.tensor(blocks, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
+        # where each layer's copy reads (device blocks) and writes (host slots; device slots
+        # for the key ranges): moved once per step, not per layer
+        host_slots = torch.tensor(slots, dtype=torch.long)
+        self.stores = (torch.tensor(blocks, dtype=torch.long, device=self.device), host_slots,
+                       host_slots.to(self.device))
         self.cold = cold
         self.step = None
         if attn_metadata and cold:
@@ -275,18 +278,16 @@ class HotSetWorker:
     def save(self, layer_name: str, kv_cache: torch.Tensor) -> None:
         """Copy this step's pages turning cold out of ``layer_name``'s blocks (after vLLM wrote
         the step's K/V), and for ``attend="topk"`` keep their key ranges."""
-        blocks, slots = self.stores
+        blocks, slots, device_slots = self.stores
         if not len(slots):
             return
         layer = self.layers[layer_name]
-        pages = read_blocks(kv_cache, blocks.to(self.device))  # [n, 2, P, H, D]
+        pages = read_blocks(kv_cache, blocks)  # [n, 2, P, H, D]
         self.host.pool(layer).index_copy_(0, slots, pages.to(self.host.device, non_blocking=True))
         if self.ranges:
             keys = pages[:, 0].float()  # [n, P, H, D]
-            self.ranges[layer][slots.to(self.device)] = torch.stack(
+            self.ranges[layer][device_slots] = torch.stack(
                 (keys.amin(1), keys.amax(1)), dim=1)
-        if layer == 0:
-            self.stored_pages += len(slots)
 
     def has_cold(self, attn_metadata) -> bool:
         """Whether this layer's forward needs the hot set's attention: a step is bound, the
