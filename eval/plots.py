@@ -104,7 +104,7 @@ def reasoning_plots(cells: list[dict], out: str | Path) -> list[Path]:
     """Accuracy vs HBM ratio per method, the HBM x eviction heatmap, bytes moved vs accuracy.
 
     Args:
-        cells: rows of :func:`tierattn.eval.reasoning.run_reasoning` (``section`` ``main`` and
+        cells: rows of :func:`tierattn.eval.evals.reasoning.run_reasoning` (``section`` ``main`` and
             ``grid`` are plotted; infeasible rows are skipped).
         out: folder for the PNG files.
 
@@ -305,7 +305,8 @@ def fidelity_plots(cells: list[dict], out: str | Path) -> list[Path]:
     """Token KL and top-1 agreement with the full cache against the HBM ratio, per method.
 
     Args:
-        cells: rows of :func:`tierattn.eval.fidelity.run_fidelity`, possibly merged from several
+        cells: rows of :func:`tierattn.eval.evals.fidelity.run_fidelity`, possibly merged from
+        several
             runs (one budget or many). Infeasible rows and the ``full`` reference row (KL 0,
             top-1 1 by definition) are not drawn as points; top-1 = 1 is drawn as a line.
         out: folder for the PNG file.

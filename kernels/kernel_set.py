@@ -1,9 +1,10 @@
 """KernelSet: the kernel entry points the tiered runtime calls, gathered in one object.
 
-Every component of :class:`~tierattn.cache.TieredKVCache` (and its transfer engine) calls kernels
-through the cache's ``kernels`` attribute, never through module globals, so a tool that wants to
-time them (``tierattn.eval.hostcost.KernelTimer``) or replace them by instant stubs (the host-cost
-benchmark) changes that one object: ``setattr(cache.kernels, "sparse_decode", wrapped)``.
+Every component of :class:`~tierattn.runtime.cache.TieredKVCache` (and its transfer engine) calls
+kernels through the cache's ``kernels`` attribute, never through module globals, so a tool that
+wants to time them (``tierattn.eval.bench.hostcost.KernelTimer``) or replace them by instant stubs
+(the host-cost benchmark) changes that one object: ``setattr(cache.kernels, "sparse_decode",
+wrapped)``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ the codes alone, ``bits / 32`` of 16-bit K+V, 12.5% at 4 bits):
 
 (A smaller tier scores *projected* keys with the same kernel: ``D`` is then the projection's rank,
 the codes are of ``basis^T k`` and the query is ``basis^T q``; see
-:func:`tierattn.importance.key_basis`.)
+:func:`tierattn.runtime.importance.key_basis`.)
 
 and scores the page from the estimated logits ``s_gj = softcap(sm_scale q_g . k_hat_j)`` of the
 ``G`` query heads of the KV head's group and the page's ``P`` keys, reduced one of two ways:
@@ -410,7 +410,7 @@ def sketch_score(
         basis: optional ``[H_kv, D_q, D]`` projection of a low-rank sketch: ``q`` is then
             ``[B, H_q, D_q]`` and each query head goes through its KV head's basis inside the
             kernel (fp32), ``basis^T q``, before scoring the ``D`` projected channels of the
-            codes (:func:`tierattn.importance.key_basis`; :func:`project_queries` outside).
+            codes (:func:`tierattn.runtime.importance.key_basis`; :func:`project_queries` outside).
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (vectorised, in fp32).
 
     Returns:

@@ -82,7 +82,7 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 #: allocations at least this large are left unfilled: they are address space a growing host
-#: tier reserves (:class:`tierattn.tiers.MemoryTier`), which filling would commit whole
+#: tier reserves (:class:`tierattn.storage.tiers.MemoryTier`), which filling would commit whole
 POISON_LIMIT = 1 << 30
 
 

@@ -6,15 +6,15 @@ function, and ``TieredCache`` (a transformers ``Cache``); transformers' continuo
 from __future__ import annotations
 
 _LAZY = {
-    "patch": "tierattn.models.patch",
-    "PatchHandle": "tierattn.models.patch",
-    "check_model": "tierattn.models.support",
-    "unsupported_reason": "tierattn.models.support",
-    "tiered_attention": "tierattn.models.patch",
-    "TieredCache": "tierattn.models.cache",
-    "swap": "tierattn.models.continuous",
-    "SwapHandle": "tierattn.models.continuous",
-    "TieredOffloadingManager": "tierattn.models.continuous",
+    "patch": "tierattn.models.hf.patch",
+    "PatchHandle": "tierattn.models.hf.patch",
+    "check_model": "tierattn.models.hf.support",
+    "unsupported_reason": "tierattn.models.hf.support",
+    "tiered_attention": "tierattn.models.hf.patch",
+    "TieredCache": "tierattn.models.hf.cache",
+    "swap": "tierattn.models.hf.continuous",
+    "SwapHandle": "tierattn.models.hf.continuous",
+    "TieredOffloadingManager": "tierattn.models.hf.continuous",
 }
 
 __all__ = sorted(_LAZY)

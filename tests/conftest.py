@@ -52,7 +52,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # one folder per run, made by the xdist controller (or a plain run); workers inherit the path
     if not hasattr(config, "workerinput"):
         os.environ["TIERATTN_FIGURES_DIR"] = tempfile.mkdtemp(prefix="tierattn-figures-")
-        # cached eval references (tierattn.eval.fidelity) stay inside the run, not in ~/.cache
+        # cached eval references (tierattn.eval.evals.fidelity) stay inside the run, not in ~/.cache
         os.environ["TIERATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="tierattn-cache-")
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from tierattn.cache import TieredKVCache
-from tierattn.segment import Segment
+from tierattn.runtime.cache import TieredKVCache
+from tierattn.storage.segment import Segment
 from tierattn.kernels import PageTable
 
 

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tierattn.eval.anymodel import STATUSES, summary_markdown, survey  # noqa: E402
+from tierattn.eval.evals.anymodel import STATUSES, summary_markdown, survey  # noqa: E402
 
 
 def test_every_causal_lm_type_is_identical_or_refused_by_its_structure(figures):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import Shadow
 
-from tierattn.cache import TieredKVCache
+from tierattn.runtime.cache import TieredKVCache
 from tierattn.config import TierConfig
-from tierattn.pagemap import NONE
+from tierattn.storage.pagemap import NONE
 
 L, HKV, HQ, D, P = 1, 2, 4, 16, 4
 

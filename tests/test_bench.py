@@ -11,8 +11,9 @@ import torch
 
 from tierattn.eval.cli import main as cli_main
 from tierattn.config import TierConfig
-from tierattn.eval import gpu_check
-from tierattn.eval.bench import BenchSpec, Geometry, load_profile, model_row, run_bench, whole_layer
+from tierattn.eval.bench import gpu as gpu_check
+from tierattn.eval.bench.kv import (BenchSpec, Geometry, load_profile, model_row, run_bench,
+                                    whole_layer)
 
 KV = Geometry().kv_bytes_per_token_layer  # 4 KiB per token and layer (Llama-8B KV, bf16)
 PAGE = 16 * KV

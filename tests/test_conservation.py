@@ -15,10 +15,10 @@ import random
 import pytest
 import torch
 
-from tierattn.cache import TieredKVCache
-from tierattn.pagemap import HOT, NONE
+from tierattn.runtime.cache import TieredKVCache
+from tierattn.storage.pagemap import HOT, NONE
 from tierattn.config import TierConfig, TierSpec
-from tierattn.transfer import FakeAsyncEngine
+from tierattn.storage.transfer import FakeAsyncEngine
 
 SEEDS, OPS = (int(x) for x in os.environ.get("TIERATTN_CONSERVATION", "20x2000").split("x"))
 L, HKV, HQ, D, B, P, CTX = 2, 2, 4, 8, 3, 4, 96

@@ -21,8 +21,8 @@ from helpers import corrupt_writes, fail_disk_reads, fail_disk_writes
 
 from tierattn.config import TierSpec
 from tierattn.errors import TierConfigError, UnsupportedEngineError, UnsupportedModelError
-from tierattn.models.continuous import SUPPORTED, check_transformers, swap, swap_every_model
-from tierattn.swapcore import SwapConfig
+from tierattn.models.hf.continuous import SUPPORTED, check_transformers, swap, swap_every_model
+from tierattn.serving.swapcore import SwapConfig
 
 _VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2])
 engine = pytest.mark.skipif(_VERSION not in SUPPORTED,

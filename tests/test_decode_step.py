@@ -3,7 +3,7 @@
 The runtime runs on PyTorch's ``meta`` device -- tensors there have shapes but no data, so a host
 read of device state (``.item()``, ``.tolist()``, ``.cpu()``, ``bool(t)``, ``nonzero``, a boolean
 mask, ``torch.equal``) cannot be served -- with the kernels replaced by stubs of the right shapes
-(:func:`tierattn.eval.hostcost.stub_kernels`). ``HostReads`` records every such read with the
+(:func:`tierattn.eval.bench.hostcost.stub_kernels`). ``HostReads`` records every such read with the
 line that made it. The host map and the policies' decisions stay on the host; the importance the
 policies rank by is copied back only through the transfer engine's asynchronous ``to_host``,
 counted here: at most a few snapshots per page filled. On a GPU the same is checked with
@@ -17,9 +17,9 @@ import dataclasses
 import pytest
 import torch
 
-from tierattn.cache import TieredKVCache
+from tierattn.runtime.cache import TieredKVCache
 from tierattn.config import TierConfig, TierSpec
-from tierattn.eval.hostcost import HostReads, MetaEngine, stub_kernels
+from tierattn.eval.bench.hostcost import HostReads, MetaEngine, stub_kernels
 
 L, HKV, HQ, D, P, B = 3, 2, 8, 16, 8, 3
 #: a small DDR tier over a disk tier (its folder set per test)

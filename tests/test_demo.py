@@ -30,7 +30,7 @@ def test_demo_writes_json(tmp_path, device):
 
 
 def test_loop_runs_every_preset_small():
-    from tierattn.eval.loop import format_stats, run_loop
+    from tierattn.eval.bench.loop import format_stats, run_loop
 
     for preset in ("offload", "topk", "evict-h2o"):
         res = run_loop(preset=preset, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16,

@@ -1,5 +1,5 @@
-"""The disk tier's storage (:mod:`tierattn.segment`) and its reads off the decode step
-(:mod:`tierattn.staging`): page-aligned slots in one file, batched and coalesced I/O, every
+"""The disk tier's storage (:mod:`tierattn.storage.segment`) and its reads off the decode step
+(:mod:`tierattn.storage.staging`): page-aligned slots in one file, batched and coalesced I/O, every
 fault a typed error with the page map unchanged, and ``topk`` over disk pages equal to ``topk``
 over DDR pages wherever the staged selection covered the step."""
 
@@ -14,11 +14,11 @@ import pytest
 import torch
 from helpers import Shadow, fail_disk_reads, fail_disk_writes, run_loop
 
-from tierattn.cache import TieredKVCache
+from tierattn.runtime.cache import TieredKVCache
 from tierattn.config import TierConfig, TierSpec
 from tierattn.errors import KVFileError, KVIOError
-from tierattn.segment import ALIGN, IOV_MAX, Segment, pool_for
-from tierattn.tiers import DiskTier
+from tierattn.storage.segment import ALIGN, IOV_MAX, Segment, pool_for
+from tierattn.storage.tiers import DiskTier
 
 L, HKV, HQ, D = 2, 2, 4, 8
 

@@ -13,14 +13,14 @@ import random
 import pytest
 import torch
 
-from tierattn.eval.methods import (METHODS, RECALL, grid_config, key_tier_fraction,
+from tierattn.eval.evals.methods import (METHODS, RECALL, grid_config, key_tier_fraction,
                                    method_config, plan_cell, sketch_bits, sketch_rank)
-from tierattn.eval.metrics import (first_divergence, kl_summary, mcnemar, token_kl, trace_length,
-                                   wilson)
+from tierattn.eval.evals.metrics import (first_divergence, kl_summary, mcnemar, token_kl,
+                                         trace_length, wilson)
 from tierattn.eval.report import format_table, new_results_dir, write_csv
-from tierattn.eval.runner import decode
-from tierattn.eval.tasks import EOS, TaskConfig, Vocab, make_examples
-from tierattn.eval.train_reasoner import build_model, save, to_gqa
+from tierattn.eval.evals.runner import decode
+from tierattn.eval.evals.tasks import EOS, TaskConfig, Vocab, make_examples
+from tierattn.eval.training.reasoner import build_model, save, to_gqa
 
 
 def test_wilson_interval_matches_known_values():
@@ -170,15 +170,15 @@ def test_left_padded_batch_equals_decoding_alone(reasoner):
 
 def test_oracle_keeps_the_needed_edges_and_drops_the_rest(reasoner):
     model, vocab, _ = reasoner
-    from tierattn.models.cache import TieredCache
-    from tierattn.models.patch import patch
+    from tierattn.models.hf.cache import TieredCache
+    from tierattn.models.hf.patch import patch
 
     ex = make_examples(TaskConfig(hops=4, chains=24, vocab=vocab), 2, 5)
     cfg = method_config("oracle", 0.25, max_context=352)  # auto: the Triton interpreter here
     prompts = [e.prompt for e in ex]
     keep = [e.needed_edges for e in ex]
     with patch(model, cfg):
-        from tierattn.eval.runner import oracle_evict
+        from tierattn.eval.evals.runner import oracle_evict
 
         cache = TieredCache(model.config, cfg)
         ids = torch.tensor(prompts)
@@ -245,7 +245,7 @@ def test_reasoning_default_run(reasoner, tmp_path, capsys):
     """The default run is the main section alone with the default methods, and prints and
     saves the verdict."""
     from tierattn.eval.cli import main
-    from tierattn.eval.reasoning import DEFAULT_METHODS
+    from tierattn.eval.evals.reasoning import DEFAULT_METHODS
 
     _, _, folder = reasoner
     assert main(["eval", "reasoning", "--model", str(folder), "--n", "3", "--budgets", "0.5",
@@ -261,12 +261,12 @@ def test_reasoning_default_run(reasoner, tmp_path, capsys):
     assert v["claims"]["offload_keeps_full"]  # offload is exact
     printed = capsys.readouterr().out
     assert printed.startswith("verdict:") and "offload keeps the full cache" in printed
-    from tierattn.eval.reasoning import verdict_table
+    from tierattn.eval.evals.reasoning import verdict_table
     assert verdict_table(result).startswith("verdict:")  # from the saved JSON (string keys)
 
 
 def _cell(method, hbm, acc, n=400, h2d=0.0, p=1.0):
-    from tierattn.eval.metrics import wilson
+    from tierattn.eval.evals.metrics import wilson
 
     lo, hi = wilson(round(acc * n), n)
     return {"section": "main", "method": method, "hbm": hbm, "feasible": True, "accuracy": acc,
@@ -275,7 +275,7 @@ def _cell(method, hbm, acc, n=400, h2d=0.0, p=1.0):
 
 def test_verdict_claims():
     """The verdict's claims follow the cells: each flips when its condition does."""
-    from tierattn.eval.reasoning import ReasoningSpec, verdict, verdict_table
+    from tierattn.eval.evals.reasoning import ReasoningSpec, verdict, verdict_table
 
     def cells(topk_acc, off_p=1.0, snap_acc=0.4, topk_h2d=250.0):
         return [_cell("full", 1.0, 0.99)] + [
@@ -301,7 +301,7 @@ def test_verdict_claims():
     assert "25% B" in table and "full cache (no budget)" in table
     assert verdict([c for c in cells(0.97) if c["method"] != "full"])["claims"] == {}
     # the default run: +-5 points at any accuracy; the full study keeps every section
-    from tierattn.eval.metrics import wilson
+    from tierattn.eval.evals.metrics import wilson
     lo, hi = wilson(ReasoningSpec().n // 2, ReasoningSpec().n)
     assert (hi - lo) / 2 <= 0.05
     assert ReasoningSpec.full_study().sections == ("main", "grid", "one_hop", "filler")
@@ -313,8 +313,8 @@ def test_verdict_claims():
         ReasoningSpec(task="long", sections=("main", "filler"))
     with pytest.raises(ValueError, match="task"):
         ReasoningSpec(task="medium")
-    from tierattn.eval.reasoning import tasks
-    from tierattn.eval.tasks import LONG_VOCAB
+    from tierattn.eval.evals.reasoning import tasks
+    from tierattn.eval.evals.tasks import LONG_VOCAB
     long = tasks(LONG_VOCAB, "long")
     assert set(long) == {"main", "one_hop"} and long["one_hop"].hop_range == (1, 1)
     assert min(len(e.prompt) for e in make_examples(long["main"], 50, seed=0)) >= 1016
@@ -322,7 +322,7 @@ def test_verdict_claims():
 
 def test_fidelity_merged_cells(tmp_path):
     """Cells of a grid's folders, one per (method, HBM): a later folder's row wins."""
-    from tierattn.eval.fidelity import merged_cells
+    from tierattn.eval.evals.fidelity import merged_cells
 
     def folder(name, cells):
         (tmp_path / name).mkdir()
@@ -345,7 +345,7 @@ def test_fidelity_reference_key_follows_the_weights():
     give the same key, one changed weight (bf16 included) another."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tierattn.eval.fidelity import _reference_key
+    from tierattn.eval.evals.fidelity import _reference_key
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
@@ -360,7 +360,7 @@ def test_fidelity_reference_key_follows_the_weights():
 
 
 def test_answer_extraction_and_jsonl_errors(tmp_path):
-    from tierattn.eval.qa import extract_answer, load_jsonl
+    from tierattn.eval.evals.qa import extract_answer, load_jsonl
 
     assert extract_answer("so 3 + 4 = 7\n#### 1,234") == "1234"
     assert extract_answer("The answer is $18.00.") == "18"
@@ -381,7 +381,7 @@ def test_jsonl_questions_on_a_local_checkpoint(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from tierattn.eval.qa import run_qa
+    from tierattn.eval.evals.qa import run_qa
 
     words = ["<unk>", "<pad>", "<s>", "</s>", "Question:", "Answer:", "what", "is", "plus",
              "?", "####"] + [str(i) for i in range(20)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import Shadow, run_loop
 
-from tierattn.cache import TieredKVCache
+from tierattn.runtime.cache import TieredKVCache
 from tierattn.config import TierConfig, TierSpec
 from tierattn.errors import TierConfigError
 

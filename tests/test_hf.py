@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 import tierattn  # noqa: E402
 from tierattn.errors import KernelInputError, TierConfigError, UnsupportedModelError  # noqa: E402
 from tierattn.models import TieredCache  # noqa: E402
-from tierattn.models.cache import CACHE_KWARG  # noqa: E402
+from tierattn.models.hf.cache import CACHE_KWARG  # noqa: E402
 
 #: families whose attention kwargs differ (windows, softcap, sinks, scaling, MoE): the deep test
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma", "gemma2",

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierattn.eval.bench import HARDWARE_DIR
+from tierattn.eval.bench.kv import HARDWARE_DIR
 from tierattn.eval.cli import main
-from tierattn.eval.hostattn_bench import (GEOMETRIES, HostAttnSpec, hostattn_summary,
+from tierattn.eval.bench.host import (GEOMETRIES, HostAttnSpec, hostattn_summary,
                                           load_profiles, model_rows, run_hostattn_bench)
 from tierattn.kernels.host import host_decode_available
 

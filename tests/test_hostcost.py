@@ -1,4 +1,4 @@
-"""Smoke tests of eval/hostcost.py: fields and finiteness, and that the kernel timer is pure
+"""Smoke tests of eval/bench/hostcost.py: fields and finiteness, and that the kernel timer is pure
 instrumentation (originals restored, calls counted). No timing assertions: speed goals live in
 the benchmarks."""
 
@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from tierattn.cache import TieredKVCache
+from tierattn.runtime.cache import TieredKVCache
 from tierattn.config import TierConfig
-from tierattn.eval.hostcost import (
+from tierattn.eval.bench.hostcost import (
     KERNEL_NAMES,
     KernelTimer,
     attend_host_overhead,

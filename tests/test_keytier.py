@@ -1,6 +1,6 @@
-"""The key-tier probe (tierattn.eval.keytier) on a real transformers model (tiny Llama config):
-the oracle selection is the floor every selector is measured against, the sketch nears it as
-its width grows, the key tiers are costed as the eval costs them, bad specs are refused."""
+"""The key-tier probe (tierattn.eval.evals.keytier) on a real transformers model (tiny Llama
+config): the oracle selection is the floor every selector is measured against, the sketch nears it
+as its width grows, the key tiers are costed as the eval costs them, bad specs are refused."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tierattn.eval.keytier import SELECTORS, KeyTierSpec, probe_key_tiers, selector_tier
-from tierattn.eval.methods import method_config, key_tier_fraction
+from tierattn.eval.evals.keytier import SELECTORS, KeyTierSpec, probe_key_tiers, selector_tier
+from tierattn.eval.evals.methods import method_config, key_tier_fraction
 
 
 @pytest.fixture(scope="module")

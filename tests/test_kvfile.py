@@ -1,5 +1,5 @@
-"""KV file format (tierattn.kvfile): round trips, atomic writes, a catalogue of corrupted files and
-seeded fuzzing.
+"""KV file format (tierattn.storage.kvfile): round trips, atomic writes, a catalogue of corrupted
+files and seeded fuzzing.
 
 ``TIERATTN_FUZZ_CASES`` (default 2000) sets the number of fuzzed mutations; ``TIERATTN_TEST_SEED``
 shifts their seeds. A failing fuzz case prints its seed; ``_mutate(BASE_RAW, random.Random(seed))``
@@ -24,9 +24,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from tierattn import kvfile
+from tierattn.storage import kvfile
 from tierattn.errors import KVFileError
-from tierattn.kvfile import (
+from tierattn.storage.kvfile import (
     DTYPES, FORMAT_VERSION, MAX_HEADER_BYTES, expect, kv_file_name, read_kv_file, read_kv_header,
     write_kv_file,
 )

@@ -27,12 +27,12 @@ import pytest
 import torch
 from helpers import Shadow, disk_segments, fail_disk_reads, fail_disk_writes, run_loop
 
-from tierattn.cache import TieredKVCache
+from tierattn.runtime.cache import TieredKVCache
 from tierattn.config import TierConfig, TierSpec
 from tierattn.errors import (KernelInputError, KVCapacityError, KVFileError, KVIOError,
                              TierAttnError, TierConfigError)
-from tierattn.kvfile import read_kv_file, read_kv_header, write_kv_file
-from tierattn.pagemap import NONE
+from tierattn.storage.kvfile import read_kv_file, read_kv_header, write_kv_file
+from tierattn.storage.pagemap import NONE
 
 L, HKV, HQ, D, B = 2, 2, 4, 16, 2
 PROMPT = 40

@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 import torch
 
-from tierattn.cache import TieredKVCache
+from tierattn.runtime.cache import TieredKVCache
 from tierattn.config import TierConfig, TierSpec
-from tierattn.pagemap import LayerTables
+from tierattn.storage.pagemap import LayerTables
 
 L, HKV, HQ, D, P = 2, 2, 4, 8, 4
 
@@ -108,7 +108,7 @@ def test_table_patch_writes_each_position_once(monkeypatch):
     patch must keep the last value, and hand the indexed write each position once -- with a
     position repeated, a parallel CPU write (or CUDA) may keep any of its values, which lost
     cold pages from offload's tables (KL ~10 in the reasoning eval's filler control)."""
-    from tierattn.pagemap import _scatter
+    from tierattn.storage.pagemap import _scatter
 
     writes = []
     real = torch.Tensor.__setitem__

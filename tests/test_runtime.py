@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import Shadow, corrupt_pages, run_loop
 
-from tierattn.cache import TieredKVCache
+from tierattn.runtime.cache import TieredKVCache
 from tierattn.config import PRESETS, TierConfig, TierSpec
 from tierattn.errors import KernelInputError, KVCapacityError, KVFileError, TierConfigError
 
@@ -292,7 +292,7 @@ def test_capacity_check_collects_a_dropped_cache_before_refusing(monkeypatch):
     import gc
     import weakref
 
-    import tierattn.tiers as tiers
+    import tierattn.storage.tiers as tiers
     cfg = TierConfig(page_size=4, max_context=64, backend="torch")
     gc.disable()
     try:

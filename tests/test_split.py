@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import Shadow, run_loop
 
-from tierattn.cache import TieredKVCache
+from tierattn.runtime.cache import TieredKVCache
 from tierattn.config import TierConfig, TierSpec
 from tierattn.errors import KernelInputError, KVIOError, TierConfigError
 from tierattn.kernels import PageTable, host_decode, sparse_decode_reference
@@ -225,7 +225,7 @@ def test_split_over_disk_pages_and_a_failed_read_is_typed(prefetch, tmp_path, mo
         assert total["disk_sync_pages"] > 0 and total["disk_staged_pages"] == 0
     else:  # mostly ahead of the layer; at the layer after its cold set changed
         assert total["disk_staged_pages"] > total["disk_sync_pages"] > 0
-    import tierattn.segment as segment
+    import tierattn.storage.segment as segment
 
     def broken(*a, **kw):
         raise OSError(5, "Input/output error")
@@ -308,8 +308,8 @@ def test_auto_recalls_a_concentrated_layer_and_attends_a_diffuse_one_exactly(see
 def test_auto_takes_the_cheapest_way_from_the_costs():
     """Recall only where the layer is concentrated and a recall is cheaper than the cheaper
     exact way; split where the host reads faster than the link carries."""
-    from tierattn.costmodel import AttendCosts
-    from tierattn.planner import AttendPlanner
+    from tierattn.serving.costmodel import AttendCosts
+    from tierattn.runtime.planner import AttendPlanner
 
     cache = make(auto(hot_budget=0.25))
     cold, recall, link = 64 << 20, 16 << 20, 1 << 10
@@ -381,7 +381,7 @@ def test_split_generation_equals_the_reference(model_type, attend, figures):
 def test_auto_measures_this_machine_once_per_geometry():
     """Rates left unset are measured when the cache is built (the link through the cache's
     engine, the host kernel on a synthetic pool), once per process and geometry."""
-    from tierattn import hostattn
+    from tierattn.runtime import hostattn
 
     a = make(auto(hot_budget=0.25))
     b = make(auto(hot_budget=0.25))

@@ -12,10 +12,11 @@ import torch
 from helpers import corrupt_pages, disk_segments, fail_disk_reads, fail_disk_writes, holds_nothing
 
 from tierattn.config import TierConfig, TierSpec
-from tierattn.costmodel import CostModel, LinearFit, attention_work, prefill_work
+from tierattn.serving.costmodel import CostModel, LinearFit, attention_work, prefill_work
 from tierattn.errors import KVCapacityError, KVFileError, KVIOError, TierConfigError
-from tierattn import swaptiers, tiers
-from tierattn.swapcore import SwapConfig, Swapper, SwapStore
+from tierattn.serving import swaptiers
+from tierattn.storage import tiers
+from tierattn.serving.swapcore import SwapConfig, Swapper, SwapStore
 
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 EIO = OSError(errno.EIO, "Input/output error")
@@ -73,7 +74,7 @@ def test_tier_capacity_in_gib():
 
 
 def test_the_runtime_sizes_a_tier_from_gib():
-    from tierattn.cache import TieredKVCache
+    from tierattn.runtime.cache import TieredKVCache
 
     page_bytes = 2 * 16 * 2 * 8 * 4  # [2, P=16, H=2, D=8] fp32
     gib = 3 * 5 * page_bytes / 2**30  # 5 pages per layer over 3 layers

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tierattn.eval.tasks import ANSWER, BOS, EOS, QUERY, SEP, TaskConfig, Vocab, make_examples
+from tierattn.eval.evals.tasks import ANSWER, BOS, EOS, QUERY, SEP, TaskConfig, Vocab, make_examples
 
 
 def follow(prompt: list[int], start: int, hops: int) -> list[int]:

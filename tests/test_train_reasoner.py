@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from tierattn.eval.tasks import TaskConfig, Vocab
-from tierattn.eval.tasks import LONG_VOCAB, long_task
-from tierattn.eval.train_reasoner import (LONG_CURRICULUM, SHIPPED_LONG, batch, build_model,
+from tierattn.eval.evals.tasks import TaskConfig, Vocab
+from tierattn.eval.evals.tasks import LONG_VOCAB, long_task
+from tierattn.eval.training.reasoner import (LONG_CURRICULUM, SHIPPED_LONG, batch, build_model,
                                           cosine_decay, evaluate, load_reasoner, main,
                                           rehearsal_batch, save, to_gqa, train, train_long,
                                           widen)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from helpers import Shadow, run_loop
 
-from tierattn.cache import TieredKVCache
-from tierattn.prefetch import RING, ring_slot
+from tierattn.runtime.cache import TieredKVCache
+from tierattn.runtime.prefetch import RING, ring_slot
 from tierattn.config import TierConfig, TierSpec
-from tierattn.transfer import CPUTransferEngine, FakeAsyncEngine
+from tierattn.storage.transfer import CPUTransferEngine, FakeAsyncEngine
 
 L, HKV, HQ, D = 3, 2, 4, 16
 TIERS = (TierSpec("hbm"), TierSpec("ddr", capacity_pages=10), TierSpec("cxl"))

@@ -39,7 +39,7 @@ from vllm_helpers import (BLOCK_BYTES, corrupt_files, delete_files, disk_files, 
                           disk_pages, run_engine, save_tiny_models)
 
 from tierattn.config import TierSpec  # noqa: E402
-from tierattn.costmodel import attention_work  # noqa: E402
+from tierattn.serving.costmodel import attention_work  # noqa: E402
 from tierattn.errors import TierConfigError, UnsupportedEngineError  # noqa: E402
 from tierattn.models.vllm import config as vcfg  # noqa: E402
 from tierattn.models.vllm import connector as vconn  # noqa: E402

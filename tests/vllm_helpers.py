@@ -125,7 +125,7 @@ def disk_pages(path: str | Path) -> int:
 
 
 def _written_slots(path: str | Path) -> list[tuple[Path, int]]:
-    from tierattn.segment import ALIGN, MAGIC
+    from tierattn.storage.segment import ALIGN, MAGIC
     out = []
     for f in disk_files(path):
         data = f.read_bytes()

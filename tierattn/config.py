@@ -39,7 +39,7 @@ class TierSpec:
     Attributes:
         kind: ``"hbm"`` (device pool), ``"ddr"`` (host pool, pinned on CUDA), ``"cxl"`` (host
             pool with its own bandwidth profile, on ``numa_node`` where the machine has one) or
-            ``"disk"`` (a segment file under ``path``: :mod:`tierattn.segment`).
+            ``"disk"`` (a segment file under ``path``: :mod:`tierattn.storage.segment`).
         capacity_pages: pages per layer this tier may hold; None sizes it from the config
             (``hbm``: the hot budget of every sequence plus headroom; host tiers: the rest of
             ``max_context``). Disk capacity is counted in pages as well.
@@ -154,7 +154,7 @@ class TierConfig:
             ``recall_score`` (approximate, less traffic); ``"split"`` attends the cold pages
             where they live, on the host CPU, and merges their partial state with the hot
             set's (exact; the link carries queries and partial states, not pages:
-            :mod:`tierattn.hostattn`); ``"auto"`` chooses per layer, every ``adapt_every``
+            :mod:`tierattn.runtime.hostattn`); ``"auto"`` chooses per layer, every ``adapt_every``
             decode steps, between ``"topk"``'s recall (where the key sketch says the recalled
             pages hold ``adapt_mass`` of the layer's cold attention) and the cheaper of
             ``"split"`` and ``"all"`` by the cost model (``link_bandwidth``,
@@ -173,7 +173,7 @@ class TierConfig:
         key_rank: channels of the key sketch: ``1.0`` (default) every channel of the key;
             fewer -- a fraction (float) of the head dim or a count (int) -- projects each key
             onto the directions that carry the first prompt chunk's logits, per layer and KV
-            head (:func:`tierattn.importance.key_basis`), before quantizing (a key tier of
+            head (:func:`tierattn.runtime.importance.key_basis`), before quantizing (a key tier of
             ``key_bits * rank / (32 D)`` of the 16-bit KV bytes).
         sketch_reduce: what the sketch ranks a page by: ``"lse"`` (default: its estimated
             attention mass per KV head, the log of its exp-summed logits over the keys and the
@@ -469,11 +469,11 @@ class SwapConfig:
             ``capacity_gib`` (or ``capacity_pages``, in swap slots); by default DDR and CXL
             may hold up to half the host's physical memory, committed as blocks arrive (pinned
             on CUDA: four engine KV pools, reserved at start), disk four KV pools (at most 90%
-            of the folder's free space) -- :func:`tierattn.swaptiers.swap_capacities`.
+            of the folder's free space) -- :func:`tierattn.serving.swaptiers.swap_capacities`.
         policy: ``"auto"`` swaps a victim when the measured store + load time is below the
             measured time to prefill its tokens again, ``"swap"`` whenever a tier has room,
             ``"recompute"`` never (the engines' default).
-        calibration: a calibration file (:meth:`~tierattn.costmodel.CostModel.save`, written
+        calibration: a calibration file (:meth:`~tierattn.serving.costmodel.CostModel.save`, written
             by ``tierattn bench --serving``) whose transfer costs stand until this run has
             measured its own; None probes each tier when the store is built (``"auto"``).
         probe_slots: slots per calibration probe (probes of 1 and of this many slots, three

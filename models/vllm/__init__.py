@@ -8,7 +8,7 @@ tiers through vLLM's offloading connector:
 * :mod:`.manager` -- :class:`TieredBlockManager` (scheduler process): vLLM's own offloading
   manager over the tiers' slots, with the cost model and failed transfers;
 * :mod:`.worker` -- :class:`TieredBlockWorker` (each worker process): the copies, through the
-  swap core's :class:`~tierattn.swaptiers.SwapTiers`;
+  swap core's :class:`~tierattn.serving.swaptiers.SwapTiers`;
 * :mod:`.connector` -- the spec and connector vLLM loads by name.
 
 The hot set -- each request keeps a share of its KV blocks on the device and attends the rest

@@ -116,7 +116,7 @@ def vllm_kv_transfer_config(tiers: Sequence[TierSpec | str] | SwapConfig = ("ddr
             ``backend`` come from it), or the tiers, fastest first: kinds ``"ddr"``, ``"cxl"``,
             ``"disk"`` (names or :class:`~tierattn.config.TierSpec`; a disk tier needs
             ``path``). Capacities, per worker: ``capacity_gib`` or ``capacity_pages`` (in vLLM
-            blocks); by default the rule of :func:`tierattn.swaptiers.swap_capacities` (host
+            blocks); by default the rule of :func:`tierattn.serving.swaptiers.swap_capacities` (host
             tiers up to half the host's memory, grown as blocks arrive).
         policy: ``"auto"`` loads a lookup's hit unless the measured cost model predicts that
             prefilling its tokens is faster, ``"swap"`` always loads, ``"recompute"`` never

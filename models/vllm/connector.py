@@ -35,9 +35,9 @@ from vllm.v1.kv_offload.base import (CanonicalKVCaches, OffloadingCounterMetadat
                                      OffloadingGaugeMetadata, OffloadingSpec)
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from tierattn.costmodel import attention_work
+from tierattn.serving.costmodel import attention_work
 from tierattn.errors import TierConfigError
-from tierattn.swaptiers import SwapCounters, swap_capacities
+from tierattn.serving.swaptiers import SwapCounters, swap_capacities
 
 from .config import ENGINE_BLOCKS, check_vllm, swap_config
 from .manager import METRIC, TieredBlockManager
@@ -45,7 +45,7 @@ from .worker import TieredBlockWorker
 
 __all__ = ["TierWorkerMetadata", "TierattnOffloadingConnector", "TierattnOffloadingSpec"]
 
-#: what each of tierattn's metrics counts (:class:`~tierattn.swaptiers.SwapCounters`)
+#: what each of tierattn's metrics counts (:class:`~tierattn.serving.swaptiers.SwapCounters`)
 _COUNTED = {
     "stored_slots": "vLLM blocks stored into a tierattn tier.",
     "loaded_slots": "vLLM blocks loaded from a tierattn tier.",

@@ -45,7 +45,7 @@ from tierattn.config import SwapConfig, TierConfig
 from tierattn.errors import UnsupportedEngineError, UnsupportedModelError
 from tierattn.kernels import PageTable, copy_pages, merge_states, paged_prefill, sparse_decode
 from tierattn.kernels.host import host_decode, host_decode_available
-from tierattn.tiers import build_tier
+from tierattn.storage.tiers import build_tier
 
 from .config import HOT_SET_CONNECTOR, hot_set_config
 from .hotset import HotSetSpec

@@ -12,8 +12,9 @@ the one hook around each attention layer; the hot set uses both and loads nothin
   :meth:`~TierattnHotSetConnector.save_kv_layer`, after each layer wrote its K/V, copies the
   pages out.
 
-Both sides size the host tier with the one rule of :func:`tierattn.swaptiers.swap_capacities`
-(:func:`host_slots`), so they count the same slots.
+Both sides size the host tier with the one rule of
+:func:`tierattn.serving.swaptiers.swap_capacities` (:func:`host_slots`), so they count the same
+slots.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorMetadata)
 from vllm.forward_context import get_forward_context
 
-from tierattn.swaptiers import swap_capacities
+from tierattn.serving.swaptiers import swap_capacities
 
 from .config import check_hot_set, check_vllm, hot_set_config, swap_config
 from .hotset import HotSetManager

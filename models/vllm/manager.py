@@ -13,7 +13,7 @@ and a new chunk takes the fastest tier with room. To that it adds:
   when prefilling is faster (:meth:`TieredBlockManager.worth_loading`);
 * failed transfers (the workers report them; vLLM's offloading has no failed jobs): a failed
   store's chunks are dropped, a failed load's once their last reader completes;
-* the counters of :class:`~tierattn.swaptiers.SwapCounters` as ``vllm:tierattn_*`` metrics.
+* the counters of :class:`~tierattn.serving.swaptiers.SwapCounters` as ``vllm:tierattn_*`` metrics.
 
 Documented differences from vLLM's CPU manager: ``policy="recompute"`` stores nothing; KV
 events name ``Medium.CPU`` for every tier (disk included).
@@ -34,8 +34,8 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
 from tierattn.config import SwapConfig
-from tierattn.costmodel import CostModel
-from tierattn.swaptiers import SwapCounters
+from tierattn.serving.costmodel import CostModel
+from tierattn.serving.swaptiers import SwapCounters
 
 __all__ = ["EXPLORE_EVERY", "METRIC", "TieredBlockManager", "chunk_bounds"]
 

@@ -2,7 +2,7 @@
 tiers, in each worker process.
 
 :class:`TieredBlockWorker` translates vLLM's jobs -- device blocks and the manager's chunk ids
--- into the swap core's copies (:class:`~tierattn.swaptiers.SwapTiers`: one batched copy per
+-- into the swap core's copies (:class:`~tierattn.serving.swaptiers.SwapTiers`: one batched copy per
 tier and layer; synchronous on CPU, a copy stream on CUDA; disk pages are checksummed pages in
 a segment file that validate on read; host tiers grow as blocks arrive). A failed store or
 load -- a full disk, an I/O error, a corrupted page, a host tier that cannot grow -- is
@@ -24,8 +24,8 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from tierattn.config import SwapConfig
 from tierattn.errors import KVFileError, KVIOError, TierAttnError, UnsupportedEngineError
-from tierattn.pagemap import HOT
-from tierattn.swaptiers import SwapTiers
+from tierattn.storage.pagemap import HOT
+from tierattn.serving.swaptiers import SwapTiers
 
 from .manager import chunk_bounds
 

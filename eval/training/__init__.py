@@ -1,0 +1,1 @@
+"""Training the tiny reasoners the evals ship (``tierattn train``): :mod:`.reasoner`."""

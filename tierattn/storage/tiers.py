@@ -1,0 +1,495 @@
+"""Tiers of the KV hierarchy: where a demoted page lives.
+
+A tier holds whole pages (``[2, page_size, H_kv, D]``: K and V of ``page_size`` tokens, all KV
+heads) in numbered slots, per layer. The interface is small -- ``alloc``, ``release``, ``read``,
+``write`` -- and memory tiers also expose their pool tensor, so the transfer engine can move a
+layer's pages between two pools with one page-copy launch. Adding a backend means one subclass
+of :class:`Tier` in this file and one entry in :func:`build_tier`.
+
+* ``hbm``: the device pool (attention reads it directly);
+* ``ddr``: a host pool, pinned on CUDA (the copy kernel reads it over UVA), allocated once;
+* ``cxl``: a host pool with CXL's bandwidth profile. On Linux, when ``numa_node`` is given, it is
+  first-touched by a thread bound to that node's CPUs, so the kernel places its pages there (the
+  node of a CXL memory expander); elsewhere it is an ordinary host pool (a documented stand-in);
+* ``disk``: one segment file of page-aligned slots per tier under a directory
+  (:mod:`tierattn.storage.segment`: batched positional I/O on a small thread pool, a checksum per
+  page in the page map, every read validated; no fsync -- a tier is a cache of the process).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierattn.config import TierConfig, TierSpec
+from tierattn.errors import KVCapacityError, TierConfigError
+from tierattn.kernels.sketch import sketch_bytes
+from tierattn.storage.segment import Segment, pool_for, submit
+
+__all__ = ["DiskTier", "MemoryTier", "Tier", "available_memory", "build_tier", "memory_for",
+           "plan_memory"]
+
+#: nominal bandwidth/latency per tier kind (GB/s, microseconds), not measured here: PCIe Gen5
+#: x16 for host tiers as seen from the GPU, a CXL 2.0 x8 expander, an NVMe SSD. Nothing reads
+#: it yet; modeled transfer times (the benchmark issue) start from it until a GPU run measures.
+PROFILES = {
+    "hbm": {"bandwidth_gbps": 4800.0, "latency_us": 1.0},
+    "ddr": {"bandwidth_gbps": 55.0, "latency_us": 5.0},
+    "cxl": {"bandwidth_gbps": 30.0, "latency_us": 8.0},
+    "disk": {"bandwidth_gbps": 7.0, "latency_us": 80.0},
+}
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes that may still be allocated on ``device``: free HBM plus the blocks PyTorch's
+    caching allocator holds unused (it allocates from those first), or MemAvailable on the
+    host."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free + cached)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_for(need: int, device: torch.device) -> int:
+    """:func:`available_memory` on ``device``, measured again after collecting unreachable
+    objects when ``need`` bytes exceed 90% of it: a dropped cache caught in a reference cycle
+    (its caller's objects) keeps its pools until the cyclic collector runs, and a cache built
+    right after it would be refused for memory nothing uses."""
+    have = available_memory(device)
+    if need > 0.9 * have:
+        gc.collect()
+        have = available_memory(device)
+    return have
+
+
+class Tier(ABC):
+    """Slots holding whole pages, per layer, with a free list."""
+
+    kind: str
+    #: fill released slots with NaN (memory tiers), so a read after free shows
+    poison_freed: bool = False
+    #: a pool tensor the copy kernel can read (False: pages are read through ``read``)
+    is_memory: bool = False
+
+    def __init__(self, kind: str, num_layers: int, capacity: int, page_shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        self.kind = kind
+        self.capacity = capacity
+        self.page_shape = page_shape
+        self.dtype = dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.page_bytes = torch.Size(page_shape).numel() * itemsize
+        self.num_layers = num_layers
+        # per layer: released slots (a stack) above the never-used ones ``fresh .. capacity-1``;
+        # slots come from the stack first, then the lowest fresh one (a large tier costs no
+        # list of its slots)
+        self._released: list[list[int]] = [[] for _ in range(num_layers)]
+        self._fresh = [0] * num_layers
+
+    def num_free(self, layer: int) -> int:
+        return len(self._released[layer]) + self.capacity - self._fresh[layer]
+
+    def num_used(self, layer: int) -> int:
+        return self.capacity - self.num_free(layer)
+
+    def alloc(self, layer: int, n: int) -> list[int]:
+        """``n`` free slots of ``layer``; raises :class:`KVCapacityError` (taking none) if short."""
+        if n > self.num_free(layer):
+            raise KVCapacityError(
+                f"{self.kind} tier is full for layer {layer}: {n} pages requested, "
+                f"{self.num_free(layer)} of {self.capacity} free. Raise its capacity_pages, "
+                "add a lower tier, or lower the hot/recall budgets.")
+        stack = self._released[layer]
+        k = min(n, len(stack))
+        taken = stack[len(stack) - k:][::-1]
+        del stack[len(stack) - k:]
+        first = self._fresh[layer]
+        self._fresh[layer] = first + n - k
+        return taken + list(range(first, first + n - k))
+
+    def release(self, layer: int, slots: list[int]) -> None:
+        self._released[layer].extend(reversed(slots))
+
+    def clear(self, layer: int) -> None:
+        """Mark every slot of ``layer`` free, in the order of a new tier (``alloc(layer, n)``
+        then returns ``0..n-1``); for a layer whose slots were all released."""
+        self._released[layer], self._fresh[layer] = [], 0
+
+    def close(self) -> None:  # noqa: B027 - memory tiers: their pools go with the object
+        """Release what the tier holds outside the process's memory (a disk tier's files)."""
+
+    @abstractmethod
+    def read(self, layer: int, slots: list[int], token_starts: list[int]) -> torch.Tensor:
+        """``[n, *page_shape]`` copies of the pages (validated for the disk tier)."""
+
+    @abstractmethod
+    def write(self, layer: int, slots: list[int], pages: torch.Tensor,
+              token_starts: list[int]) -> None:
+        """Store ``pages [n, *page_shape]`` into ``slots``."""
+
+
+class MemoryTier(Tier):
+    """A pool tensor ``[num_layers, capacity, *page_shape]``.
+
+    Allocated and zeroed at construction, or with ``grow=True`` (a host tier that is not
+    pinned) reserved as address space only: the operating system commits a slot's memory
+    when it is first written, and :meth:`grow` -- called by :meth:`alloc`, or by a caller that
+    picks slots itself -- admits each new high-water mark only while the host has the memory
+    to back it, so nothing is held up front that no page uses and a tier that cannot grow
+    refuses with :class:`KVCapacityError` instead of running the host out of memory.
+    """
+
+    is_memory = True
+
+    def __init__(self, kind: str, num_layers: int, capacity: int, page_shape: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device, *, pinned: bool = False,
+                 numa_node: int | None = None, grow: bool = False) -> None:
+        super().__init__(kind, num_layers, capacity, page_shape, dtype)
+        self.device = device
+        self.pinned = bool(pinned and device.type == "cpu" and torch.cuda.is_available())
+        # pinned memory is committed when it is allocated: it cannot grow lazily
+        self.growable = bool(grow and device.type == "cpu" and not self.pinned)
+        #: slots per layer whose memory may be in use (every slot unless the tier grows)
+        self.committed = 0 if self.growable else capacity
+        need = num_layers * capacity * self.page_bytes
+        if not self.growable:
+            have = memory_for(need, device)
+            if need > 0.9 * have:
+                raise KVCapacityError(
+                    f"{kind} tier needs {need / 2**30:.2f} GiB ({num_layers} layers x "
+                    f"{capacity} pages x {self.page_bytes} B) but only {have / 2**30:.2f} GiB "
+                    f"is available on {device} (at most 90% may be used); lower the tier's "
+                    "capacity_gib or capacity_pages (TierConfig.tiers, SwapConfig.tiers) or "
+                    "TierConfig.max_context.")
+        # allocated pinned in place (a pinned copy of a pageable pool would need twice the
+        # memory for a moment) and zeroed by the thread bound to the tier's NUMA node; a
+        # growing tier is left untouched, so its pages are placed when first written
+        with _first_touch_on(numa_node):
+            self.pools = torch.empty((num_layers, capacity, *page_shape), dtype=dtype,
+                                     device=device, pin_memory=self.pinned)
+            if not self.growable:
+                self.pools.zero_()
+
+    def grow(self, slots: int) -> None:
+        """Admit slots ``0 .. slots-1`` of every layer (a growing tier; no-op otherwise).
+
+        Raises:
+            KVCapacityError: the host has not the memory to back them (at most 90% of what is
+                available may be used); the tier is unchanged.
+        """
+        if slots <= self.committed:
+            return
+        if slots > self.capacity:
+            raise KVCapacityError(f"{self.kind} tier: slot {slots - 1} is past its capacity "
+                                  f"of {self.capacity}.")
+        # admit in steps of an eighth of what is held, so the check runs rarely
+        slots = min(self.capacity, max(slots, self.committed + max(1, self.committed // 8)))
+        need = (slots - self.committed) * self.num_layers * self.page_bytes
+        have = memory_for(need, self.device)
+        if need > 0.9 * have:
+            raise KVCapacityError(
+                f"{self.kind} tier cannot grow by {need / 2**20:.1f} MiB: the host has "
+                f"{have / 2**20:.1f} MiB available (at most 90% may be used). Free host "
+                "memory, set the tier's capacity_gib, or add a disk tier below it.")
+        self.committed = slots
+
+    def alloc(self, layer: int, n: int) -> list[int]:
+        fresh = n - len(self._released[layer])
+        if fresh > 0 and n <= self.num_free(layer):  # grown first: a refusal takes nothing
+            self.grow(self._fresh[layer] + fresh)
+        return super().alloc(layer, n)
+
+    def held_bytes(self) -> int:
+        """Bytes of memory the tier may hold (its committed slots, all layers)."""
+        return self.committed * self.num_layers * self.page_bytes
+
+    @classmethod
+    def over(cls, kind: str, pools: torch.Tensor | Sequence[torch.Tensor]) -> MemoryTier:
+        """A tier over ``pools [num_layers, capacity, *page_shape]`` (or a list of per-layer
+        ``[capacity, *page_shape]`` tensors, when the layers are separate allocations) that
+        someone else allocated and owns (a serving engine's KV cache viewed as pages): nothing
+        is allocated or poisoned, and which slots are in use is the owner's business."""
+        first = pools if isinstance(pools, torch.Tensor) else pools[0]
+        if not isinstance(pools, torch.Tensor):
+            first = first.unsqueeze(0)
+            if any(p.shape != first.shape[1:] or p.dtype != first.dtype for p in pools):
+                raise TierConfigError(f"MemoryTier.over: the {kind} layers' pools differ in "
+                                      "shape or dtype; give pools of one page geometry.")
+        tier = cls.__new__(cls)
+        Tier.__init__(tier, kind, len(pools), first.shape[1], tuple(first.shape[2:]),
+                      first.dtype)
+        tier.device, tier.pinned, tier.pools = first.device, first.is_pinned(), pools
+        tier.growable, tier.committed = False, tier.capacity
+        return tier
+
+    def pool(self, layer: int) -> torch.Tensor:
+        """``[capacity, 2, page_size, H_kv, D]`` view of ``layer``'s pool."""
+        return self.pools[layer]
+
+    def release(self, layer, slots):
+        if self.poison_freed and slots:
+            idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+            self.pools[layer].index_fill_(0, idx, float("nan"))
+        super().release(layer, slots)
+
+    def read(self, layer, slots, token_starts):
+        return self.pools[layer][torch.tensor(slots, dtype=torch.long)]
+
+    def write(self, layer, slots, pages, token_starts):
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.pools[layer].index_copy_(0, idx, pages.to(self.device, non_blocking=True))
+
+
+@contextmanager
+def _first_touch_on(numa_node: int | None):
+    """Bind this thread to ``numa_node``'s CPUs while memory is first written (Linux)."""
+    if numa_node is None:
+        yield
+        return
+    cpulist = Path(f"/sys/devices/system/node/node{numa_node}/cpulist")
+    if not cpulist.exists() or not hasattr(os, "sched_setaffinity"):
+        raise TierConfigError(
+            f"tiers: numa_node={numa_node} does not exist on this machine (no {cpulist}); "
+            "omit numa_node to use a plain host pool.")
+    cpus: set[int] = set()
+    for part in cpulist.read_text().strip().split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+class DiskTier(Tier):
+    """Pages in a segment file under ``directory`` (:mod:`tierattn.storage.segment`): one file per
+    generation of the tier, whatever the number of pages, each page an aligned slot.
+
+    A read checks the page map (the slot holds the page of that first token), the file (not
+    deleted or truncated) and every page's checksum, and raises :class:`KVFileError` otherwise;
+    shape and dtype come from the config, never from the file. Writes are batched positional
+    I/O on ``io_threads`` threads, never fsynced (a tier is a cache of this process; its file is
+    deleted when the tier goes).
+    """
+
+    def __init__(self, num_layers: int, capacity: int, page_shape: tuple[int, ...],
+                 dtype: torch.dtype, directory: str | Path, fingerprint: str, *,
+                 io_threads: int = 4) -> None:
+        super().__init__("disk", num_layers, capacity, page_shape, dtype)
+        self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise TierConfigError(f"tiers: the disk tier's path {self.directory} is a file; "
+                                  "give a folder (it is created if missing).")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TierConfigError(f"tiers: cannot create the disk tier's folder "
+                                  f"{self.directory} ({e}); give a writable folder.") from e
+        self.fingerprint = fingerprint
+        self.num_layers = num_layers
+        #: the I/O pool: large batches are split over it, staging reads run on it
+        self.pool = pool_for(io_threads)
+        #: a load writes the next generation's segment before the current one is dropped
+        self.generation = 0
+        self._segments: dict[int, Segment] = {}
+        #: reads in flight on the pool, per layer: a release waits for them (its slot may be
+        #: rewritten right after)
+        self._reading: list[list[Future]] = [[] for _ in range(num_layers)]
+        self.segment(0)  # opened now: a folder that cannot hold it fails at construction
+
+    def segment(self, generation: int | None = None) -> Segment:
+        """The segment of ``generation`` (default: the current one), opened on first use."""
+        gen = self.generation if generation is None else generation
+        seg = self._segments.get(gen)
+        if seg is None:
+            try:
+                seg = Segment(self.directory, self.fingerprint, self.num_layers, self.capacity,
+                              self.page_shape, self.dtype, gen, self.pool)
+            except OSError as e:
+                if gen == self.generation and not self._segments:
+                    raise TierConfigError(f"tiers: cannot create a segment file in the disk "
+                                          f"tier's folder {self.directory} ({e}); give a "
+                                          "writable folder.") from e
+                raise
+            self._segments[gen] = seg
+        return seg
+
+    def path(self, generation: int | None = None) -> Path:
+        """The segment file of ``generation`` (default: the current one)."""
+        return self.segment(generation).path
+
+    def write(self, layer, slots, pages, token_starts, *, generation: int | None = None):
+        """Store the pages in one batch of positional writes; if it fails (disk full, an I/O
+        error, an interrupt), the slots hold nothing and the error propagates."""
+        if slots:
+            self.segment(generation).write(layer, slots, pages.detach().to("cpu"), token_starts)
+
+    def read(self, layer, slots, token_starts):
+        out = torch.empty((len(slots), *self.page_shape), dtype=self.dtype)
+        self.segment().read_into(layer, slots, token_starts, out)
+        return out
+
+    def read_into(self, layer: int, slots: list[int], token_starts: list[int],
+                  out: torch.Tensor, rows: list[int]) -> None:
+        """Read pages into rows ``rows`` of ``out`` (a contiguous CPU pool), validated."""
+        self.segment().read_into(layer, slots, token_starts, out, rows)
+
+    def read_async(self, layer: int, slots: list[int], token_starts: list[int],
+                   out: torch.Tensor, rows: list[int]) -> Future:
+        """:meth:`read_into` on the I/O pool (inline without one); its slots are not released
+        (nor rewritten) before it finished."""
+        seg = self.segment()
+        fut = submit(self.pool, lambda: seg.read_into(layer, slots, token_starts, out, rows))
+        pending = self._reading[layer]
+        pending[:] = [f for f in pending if not f.done()]
+        pending.append(fut)
+        return fut
+
+    def held(self, layer: int, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The first token of the page each slot holds (-1: none) and the slot's write count
+        (a page read earlier is still there while the count is unchanged)."""
+        seg, idx = self.segment(), np.asarray(slots, dtype=np.int64)
+        return seg.starts[layer, idx].copy(), seg.writes[layer, idx].copy()
+
+    def _settle(self, layer: int | None = None) -> None:
+        """Wait for the reads in flight (of ``layer``, or all); their errors are for their
+        waiters."""
+        for lst in self._reading if layer is None else [self._reading[layer]]:
+            for f in lst:
+                f.exception()
+            lst.clear()
+
+    def release(self, layer, slots):
+        self._settle(layer)
+        self.segment().forget(layer, slots)  # a released slot reads as empty
+        super().release(layer, slots)
+
+    def discard(self, generation: int) -> None:
+        """Drop a generation's segment (a load that failed part way)."""
+        self._settle()
+        seg = self._segments.pop(generation, None)
+        if seg is not None:
+            seg.close()
+
+    def advance(self) -> None:
+        """Make the next generation current and drop the old segment (a load landed)."""
+        self.discard(self.generation)
+        self.generation += 1
+        self.segment()
+
+    def close(self) -> None:
+        """Delete the segment files and stop the I/O pool (also when the tier is collected)."""
+        for gen in list(self._segments):
+            self.discard(gen)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
+def build_tier(spec: TierSpec, *, num_layers: int, capacity: int, page_shape: tuple[int, ...],
+               dtype: torch.dtype, device: torch.device, fingerprint: str,
+               grow: bool = False) -> Tier:
+    """The tier ``spec`` describes (``hbm`` on ``device``; host tiers pinned when CUDA is used;
+    ``grow``: a host tier that is not pinned commits memory as slots are first used)."""
+    if spec.kind == "hbm":
+        return MemoryTier("hbm", num_layers, capacity, page_shape, dtype, device)
+    if spec.kind in ("ddr", "cxl"):
+        return MemoryTier(spec.kind, num_layers, capacity, page_shape, dtype,
+                          torch.device("cpu"), pinned=device.type == "cuda",
+                          numa_node=spec.node(), grow=grow)
+    if spec.kind == "disk":
+        return DiskTier(num_layers, capacity, page_shape, dtype, spec.path, fingerprint)
+    raise TierConfigError(f"tiers: unknown kind {spec.kind!r}")  # TierSpec already checks
+
+
+
+def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
+                page_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                staging_pages: int | None, ring: int, holds_prompt: bool) -> tuple[list[int], int]:
+    """Slots per layer of each tier and of a staging buffer for a cache of this geometry;
+    refuses, with the numbers, a configuration that does not fit, before anything is allocated.
+
+    Args:
+        staging_pages: slots per staging buffer (None: every cold page of the batch for
+            ``attend="all"``, twice the recall budget for ``"topk"`` and ``"auto"``, one page
+            for ``"split"``, which stages nothing).
+        ring: staging buffers.
+        holds_prompt: the eviction policy keeps the whole prompt until decoding starts.
+
+    Raises:
+        KVCapacityError: the pools, staging ring, metadata and tables exceed 90% of the free
+            memory of a device.
+    """
+    cfg, b, p = config, batch_size, config.page_size
+    mp = math.ceil(cfg.max_context / p)
+    must_hot = cfg.sink_pages + cfg.recent_pages + 1
+    hot_max = max(cfg.pages(cfg.hot_budget, mp, cfg.max_context), must_hot)
+    headroom = math.ceil(cfg.prefill_chunk_size / p) + 1
+    if len(cfg.tiers) == 1 and holds_prompt:
+        hot_max = mp  # nowhere to demote: the whole prompt stays until it is compressed
+    default = {"hbm": b * min(mp, hot_max + headroom), "ddr": b * mp, "cxl": b * mp,
+               "disk": b * mp}
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    page_bytes = math.prod(page_shape) * itemsize
+    capacities = [spec.capacity(page_bytes, num_layers) for spec in cfg.tiers]
+    capacities = [default[spec.kind] if cap is None else cap
+                  for spec, cap in zip(cfg.tiers, capacities)]
+    if cfg.attend == "split":  # cold pages are attended on the host: nothing is staged
+        staging_pages = max(1, min(staging_pages or 1, b * mp))
+    elif cfg.attend == "all":  # by default a row per sequence (demotions append in place)
+        staging_pages = max(1, min(staging_pages, b * mp)) if staging_pages else b * mp
+    else:  # recall: the selection, and as much again for the pages a prefetch missed
+        need = b * max(1, min(cfg.pages(cfg.recall_budget, mp, cfg.max_context),
+                              mp - must_hot))
+        if staging_pages is not None and staging_pages < need:
+            raise TierConfigError(
+                f"staging_pages={staging_pages} cannot hold the recall budget of the batch "
+                f"({need} pages at max_context); pass at least {need} (twice that lets the "
+                "layer-ahead prefetch work), or None.")
+        staging_pages = staging_pages or 2 * need
+
+    rows = b * mp
+    need: dict[str, list[tuple[str, int]]] = {}
+    dev = "cuda" if device.type == "cuda" else "cpu"
+    for spec, cap in zip(cfg.tiers, capacities):
+        if spec.kind != "disk":
+            where = dev if spec.kind == "hbm" else "cpu"
+            need.setdefault(where, []).append((f"{spec.kind} pool", num_layers * cap * page_bytes))
+    need.setdefault(dev, []).extend([
+        ("staging ring", ring * staging_pages * page_bytes),
+        ("key range and sketch", num_layers * rows * (
+            (2 * page_shape[2] * page_shape[3] * itemsize if cfg.key_range else 0)
+            + (sketch_bytes(page_shape[1], page_shape[2], cfg.key_channels(page_shape[3]),
+                            cfg.key_bits)
+               if cfg.key_sketch else 0)))])
+    need.setdefault("cpu", []).append(("page tables", num_layers * rows * 10))
+    if any(spec.kind == "disk" for spec in cfg.tiers):  # disk pages land in host staging first
+        need["cpu"].append(("disk staging", ring * staging_pages * page_bytes))
+    for where, items in need.items():
+        total = sum(n for _, n in items)
+        have = memory_for(total, device if where == "cuda" else torch.device("cpu"))
+        if total > 0.9 * have:
+            parts = ", ".join(f"{name} {n / 2**30:.2f} GiB" for name, n in items)
+            raise KVCapacityError(
+                f"the cache needs {total / 2**30:.2f} GiB on {where} ({parts}) but only "
+                f"{have / 2**30:.2f} GiB is available (at most 90% may be used); lower "
+                "max_context, batch_size or the tiers' capacity_pages.")
+    return capacities, staging_pages
