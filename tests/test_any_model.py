@@ -1,7 +1,8 @@
 """Any model: every causal-LM type of the installed transformers, as a tiny random model, is
 either served token-identically to its own attention (exact offload, batch 1 and batch 3
 left-padded, pages leaving HBM) or refused with a structural reason -- never by name, never
-with other tokens or an error from inside the model. The table it produces is the README's."""
+with other tokens or an error from inside the model. Its table is the one docs/huggingface.md
+links."""
 
 from __future__ import annotations
 

@@ -20,23 +20,27 @@ CASES = [
     (["loop", "--batch", "two"], "--batch"),
     (["loop", "--out", "/nonexistent-folder/x.json"], "--out"),
     (["loop", "--preset", "bogus"], "--preset"),
-    (["bench", "--smoke", "--contexts", "0"], "--contexts"),
-    (["bench", "--modes", "bogus"], "--modes"),
-    (["bench", "--budgets", "0,0.5"], "--budgets"),
-    (["bench", "--hardware", "/nonexistent.json"], "--hardware"),
+    (["bench", "kv", "--smoke", "--contexts", "0"], "--contexts"),
+    (["bench", "kv", "--modes", "bogus"], "--modes"),
+    (["bench", "kv", "--budgets", "0,0.5"], "--budgets"),
+    (["bench", "kv", "--hardware", "/nonexistent.json"], "--hardware"),
     (["eval", "reasoning", "--budgets", "1.5"], "--budgets"),
     (["eval", "fidelity", "--recall", "0"], "--recall"),
     (["eval", "reasoning", "--model", "/nonexistent"], "--model"),
-    (["eval", "reasoning", "--data", "/nonexistent.jsonl"], "--data"),
+    (["eval", "qa", "--model", "/nonexistent", "--data", "pyproject.toml"], "--model"),
     (["eval", "reasoning", "--n", "0"], "--n"),
     (["eval", "fidelity", "--full"], "--full"),
     (["eval", "keytier", "--teacher-forcing"], "--teacher-forcing"),
-    (["eval", "bogus"], "what"),
+    (["eval", "bogus"], "reasoning,qa,fidelity,keytier"),
     (["eval", "keytier", "--contexts", "100"], "--contexts"),
     (["eval", "keytier", "--contexts", "256", "--page-size", "100"], "--contexts"),
     (["eval", "keytier", "--segments", "0"], "--segments"),
     (["eval", "keytier", "--methods", "topk"], "--methods"),
     (["eval", "keytier", "--budgets", "0.25"], "--budgets"),
+    (["eval", "qa", "--data", "pyproject.toml"], "--model"),
+    (["bench", "disk", "--serving"], "--serving"),
+    (["bench", "host", "--modes", "topk"], "--modes"),
+    (["bench", "host", "--budgets", "1.0"], "--budgets"),
     (["demo", "--context", "64"], "--context"),
     (["demo", "--context", "0"], "--context"),
     (["demo", "--context", "-5"], "--context"),
@@ -46,14 +50,14 @@ CASES = [
     (["demo", "--out", "/nonexistent-folder/demo.json"], "--out"),
     (["demo", "--out", "/tmp"], "--out"),
     (["models", "--types", "no_such_type"], "--types"),
-    (["bench", "--serving", "--policies", "swap"], "--policies"),
-    (["bench", "--serving", "--pools", "0"], "--pools"),
-    (["bench", "--serving", "--requests", "0"], "--requests"),
-    (["bench", "--serving", "--new-tokens", "128,64"], "--new-tokens"),
-    (["bench", "--serving", "--new-tokens", "64"], "--new-tokens"),
-    (["bench", "--serving", "--prompt-lengths", "0"], "--prompt-lengths"),
+    (["bench", "serving", "--policies", "swap"], "--policies"),
+    (["bench", "serving", "--pools", "0"], "--pools"),
+    (["bench", "serving", "--requests", "0"], "--requests"),
+    (["bench", "serving", "--new-tokens", "128,64"], "--new-tokens"),
+    (["bench", "serving", "--new-tokens", "64"], "--new-tokens"),
+    (["bench", "serving", "--prompt-lengths", "0"], "--prompt-lengths"),
     (["serve", "--swap-tiers", "disk", "--", "m"], "--swap-disk"),
-    *([(["bench", "--vllm"], "--vllm")] if importlib.util.find_spec("vllm") is None else []),
+    *([(["bench", "vllm"], "bench vllm")] if importlib.util.find_spec("vllm") is None else []),
     (["serve", "--swap-tiers", "ssd", "--", "m"], "--swap-tiers"),
     (["serve", "--swap-tiers", "ddr,disk", "--swap-disk", "d", "--swap-capacity-gib", "1",
       "--", "m"], "--swap-capacity-gib"),
@@ -78,3 +82,51 @@ def test_user_errors_are_one_line_naming_the_flag_exit_2(argv, flag, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert flag in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("old,new", [
+    (["bench"], ["bench", "kv"]),
+    (["bench", "--smoke", "--contexts", "1024"], ["bench", "kv", "--smoke", "--contexts", "1024"]),
+    (["bench", "--host"], ["bench", "hostcost"]),
+    (["bench", "--smoke", "--host-attn"], ["bench", "host", "--smoke"]),
+    (["bench", "--disk", "--pages", "64"], ["bench", "disk", "--pages", "64"]),
+    (["bench", "--serving"], ["bench", "serving"]),
+    (["bench", "--vllm"], ["bench", "vllm"]),
+    (["bench", "--vllm-hotset", "--smoke"], ["bench", "vllm-hotset", "--smoke"]),
+    (["eval", "reasoning", "--model", "m", "--data", "d"], ["eval", "qa", "--model", "m", "--data",
+                                                           "d"]),
+])
+def test_the_previous_spellings_still_run_with_a_deprecation_message(old, new, capsys):
+    from tierattn.eval.cli import _deprecated
+
+    assert _deprecated(old) == new
+    err = capsys.readouterr().err
+    assert "deprecated" in err and f"tierattn {new[0]} {new[1]}" in err, err
+
+
+@pytest.mark.parametrize("argv", [["bench", "disk", "--smoke"], ["eval", "reasoning", "--full"],
+                                  ["demo"], ["bench", "--help"], ["bench", "gpu", "--out", "d"]])
+def test_current_spellings_are_left_alone(argv, capsys):
+    from tierattn.eval.cli import _deprecated
+
+    assert _deprecated(argv) == argv and capsys.readouterr().err == ""
+
+
+def test_a_deprecated_spelling_with_a_bad_flag_says_both(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--disk", "--pages", "0"])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "deprecated" in lines[0] and "--pages" in lines[1] and len(lines) == 2
+
+
+@pytest.mark.parametrize("argv", [["eval", "reasoning"], ["eval", "qa"], ["eval", "fidelity"],
+                                  ["eval", "keytier"], *[["bench", b] for b in
+                                                         ("kv", "hostcost", "host", "disk",
+                                                          "serving", "vllm", "vllm-hotset",
+                                                          "gpu")], ["train"]])
+def test_every_subcommand_has_its_own_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"usage: tierattn {' '.join(argv)}"), out[:200]

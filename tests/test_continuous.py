@@ -106,6 +106,7 @@ def test_tokens_identical_under_every_policy(models, references, family, policy)
         got = generate(model, TIGHT)
         st = handle.stats()
     assert got == want
+    assert st["handle"] == "swap" and set(st["bytes"]) == {"ddr"}  # the handles' one schema
     preempted = st["swapped_out"] + st["recomputed_requests"]
     assert preempted > 0, "the KV cache was not tight: nothing was preempted"
     assert len(st["decisions"]) == preempted

@@ -1,4 +1,4 @@
-"""The kernel demo (the README's main job) on a small context: real numbers, checked."""
+"""The kernel demo (``tierattn demo``) on a small context: real numbers, checked."""
 
 from __future__ import annotations
 

@@ -54,9 +54,13 @@ def test_token_kl_trace_length_and_divergence():
 
 
 def test_results_folders_are_never_overwritten(tmp_path):
-    a = new_results_dir(tmp_path, "run")
-    b = new_results_dir(tmp_path, "run")
-    assert a.name == "run" and b.name == "run-2" and a.is_dir() and b.is_dir()
+    import re
+
+    a, b, c = (new_results_dir(tmp_path, "run") for _ in range(3))
+    # a second run is told apart by when it ran (UTC), a third within the same second by -2
+    assert a.name == "run" and re.fullmatch(r"run-\d{8}-\d{6}", b.name)
+    assert c.name in (f"{b.name}-2",) or re.fullmatch(r"run-\d{8}-\d{6}", c.name)
+    assert len({a, b, c}) == 3 and all(p.is_dir() for p in (a, b, c))
     path = write_csv([{"x": 1}, {"x": 2, "y": 3}], tmp_path / "t.csv")
     assert list(csv.DictReader(path.open())) == [{"x": "1", "y": ""}, {"x": "2", "y": "3"}]
     table = format_table([{"m": "a", "v": 0.5}, {"m": "b", "v": None}],

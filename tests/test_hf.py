@@ -70,8 +70,14 @@ def test_exact_mode_generation_equals_reference(model_type, batch, figures):
         ids[b, :pad], mask[b, :pad] = 0, 0
     ref = generate(model, ids, attention_mask=mask)
     with tierattn.patch(model, exact_config()) as handle:
+        assert handle.stats() == {"handle": "patch", "bytes": {}, "total": {}, "layers": []}
         out = generate(model, ids, attention_mask=mask)
-        stats = handle.stats()["total"]
+        every = handle.stats()
+        stats = every["total"]
+    # the handles' one schema: bytes per tier below the device, stored and loaded
+    assert every["handle"] == "patch" and every["bytes"] == {
+        t: {"stored": stats["d2h_bytes"].get(t, 0), "loaded": stats["h2d_bytes"].get(t, 0)}
+        for t in set(stats["d2h_bytes"]) | set(stats["h2d_bytes"])}
     diff = max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits))
     same = torch.equal(out.sequences, ref.sequences)
     print(f"{model_type} batch {batch}: greedy identical {same}, max |logit diff| {diff:.2e}, "

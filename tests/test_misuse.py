@@ -15,7 +15,8 @@ save files whose checksums are valid -- and checks that
    attended, every output equal to dense attention over a shadow copy, every stored token
    byte-equal to the shadow.
 
-The counts (tried / typed / state unchanged) go to the figures table; the README reports them.
+The counts (tried / typed / state unchanged) go to the figures table; docs/tests.md says what
+they cover.
 """
 
 from __future__ import annotations

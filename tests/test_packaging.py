@@ -53,14 +53,29 @@ def test_import_has_no_side_effects():
 
 
 def test_cli_lists_only_working_subcommands():
-    # run outside the repository root, whose kernels/ folder would shadow a package
+    # run from the repository root, as a user of the checkout would
     out = subprocess.run([sys.executable, "-m", "tierattn.eval.cli", "--help"], capture_output=True,
-                         text=True, check=True, cwd=ROOT.parent).stdout
+                         text=True, check=True, cwd=ROOT).stdout
     assert re.search(r"\{(.+)\}", out).group(1) == \
-        "demo,loop,eval,bench,models,autotune,serve,vllm-args,info"
+        "demo,loop,eval,bench,train,models,autotune,serve,vllm-args,info"
     info = subprocess.run([sys.executable, "-m", "tierattn.eval.cli", "info"], capture_output=True,
-                          text=True, check=True, cwd=ROOT.parent).stdout
-    assert '"tierattn": "0.1.0"' in info
+                          text=True, check=True, cwd=ROOT).stdout
+    assert json.loads(info)["versions"]["tierattn"] == "0.1.0"
+
+
+def test_python_started_in_the_checkout_imports_tierattn_and_hugging_face_kernels():
+    """The root's kernels/ folder (tierattn.kernels) must not shadow Hugging Face's `kernels`,
+    which transformers imports when it is installed; nothing edits sys.path."""
+    pytest.importorskip("kernels")  # Hugging Face's: the test extra installs it
+    code = ("import sys, tierattn, kernels, tierattn.kernels as ours; "
+            "from transformers.integrations import hub_kernels; "
+            "assert tierattn.patch and tierattn.TieredKVCache; "
+            "print(kernels.__file__); print(ours.__file__); print(sys.path[0])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs, ours, first = done.stdout.split("\n")[:3]
+    assert first == "" and Path(ours).resolve() == ROOT / "kernels" / "__init__.py"
+    assert not Path(theirs).resolve().is_relative_to(ROOT / "kernels"), theirs
 
 
 @pytest.fixture(scope="module")

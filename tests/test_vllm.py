@@ -130,8 +130,7 @@ def _loaded(run, *, round: int) -> dict[str, float]:
 
 #: one engine with vLLM's worker processes (``vllm serve``'s layout), run from its own process
 MULTIPROCESS_RUN = """
-import json, sys
-sys.path.insert(0, {tests!r})
+import json
 from vllm_helpers import run_engine
 from tierattn.config import TierSpec
 from tierattn.models.vllm import vllm_kv_transfer_config
@@ -152,10 +151,10 @@ def test_the_connector_runs_across_vllm_processes(reference, models, tmp_path):
     core's process and the worker in another: slot specs, failures and timings cross by
     pickle, and the tokens still equal vLLM's."""
     script = tmp_path / "multiprocess_run.py"
-    script.write_text(MULTIPROCESS_RUN.format(tests=str(Path(__file__).parent),
-                                              disk=str(tmp_path / "pages"),
+    script.write_text(MULTIPROCESS_RUN.format(disk=str(tmp_path / "pages"),
                                               model=models["llama"]))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "PYTHONPATH": str(Path(__file__).parent)}  # the tests' helpers
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -209,8 +209,7 @@ def test_a_full_host_tier_falls_back_to_vllm_recompute(runs):
 
 #: an engine in vLLM's worker processes (``vllm serve``'s layout), or vLLM without plugins
 SUBPROCESS_RUN = """
-import json, sys
-sys.path.insert(0, {tests!r})
+import json
 from test_vllm_hotset import ENGINES, run_llm
 if __name__ == "__main__":
     family, blocks, args = ENGINES[{name!r}]
@@ -222,10 +221,10 @@ if __name__ == "__main__":
 def _subprocess_tokens(models, name: str, env: dict, tmp_path: Path) -> list:
     family = ENGINES[name][0]
     script = tmp_path / "run.py"
-    script.write_text(SUBPROCESS_RUN.format(tests=str(Path(__file__).parent), name=name,
-                                            model=models[family]))
+    script.write_text(SUBPROCESS_RUN.format(name=name, model=models[family]))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, **env}, cwd=tmp_path)
+                         timeout=600, cwd=tmp_path,
+                         env={**os.environ, **env, "PYTHONPATH": str(Path(__file__).parent)})
     lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT"):])

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LayerCounters", "Telemetry", "all_ranks", "summarize"]
+__all__ = ["LayerCounters", "Telemetry", "all_ranks", "handle_stats", "summarize"]
 
 
 @dataclass
@@ -183,3 +183,13 @@ def all_ranks(stats: dict) -> dict:
     dist.all_gather_object(gathered, stats["layers"])
     return {**stats, "ranks": [summarize(layers) for layers in gathered],
             "all_ranks": summarize([d for layers in gathered for d in layers])}
+
+
+def handle_stats(handle: str, moved: dict[str, dict[str, int]], /, **rest) -> dict:
+    """The one schema of every handle's ``stats()`` (``tierattn.patch``'s and
+    ``tierattn.swap``'s): ``{"handle": "patch" | "swap", "bytes": {tier: {"stored": int,
+    "loaded": int}}, ...}`` -- bytes written into each tier below the device and read back from
+    it since the handle began -- then the handle's own keys (``rest``)."""
+    return {"handle": handle, "bytes": {tier: {"stored": int(b.get("stored", 0)),
+                                               "loaded": int(b.get("loaded", 0))}
+                                        for tier, b in moved.items()}, **rest}

@@ -363,7 +363,7 @@ def run_disk_bench(spec: DiskBenchSpec = DiskBenchSpec(), *, folder: str | Path 
                    out_root: str | Path | None = "results", progress: bool = True) -> dict:
     """Measure every page count (raw and tier side by side), then the runtime row; ``folder``
     is where the files go (default: a temporary folder under the system's temp dir)."""
-    from tierattn.eval.bench.kv import _commit
+    from tierattn.eval.report import git_state
 
     gen = torch.Generator().manual_seed(spec.seed)
     rows = []
@@ -397,7 +397,7 @@ def run_disk_bench(spec: DiskBenchSpec = DiskBenchSpec(), *, folder: str | Path 
                         "value": f"{runtime['files']} file for {runtime['disk_pages']} pages",
                         "met": runtime["files"] == 1})
     result = {"spec": asdict(spec), "page_shape": list(PAGE_SHAPE), "digest": DIGEST,
-              "rows": rows, "runtime": runtime, "targets": targets, "commit": _commit(),
+              "rows": rows, "runtime": runtime, "targets": targets, "commit": git_state()["commit"],
               "environment": {"torch": torch.__version__, "python": platform.python_version(),
                               "machine": platform.machine(), "cpus": os.cpu_count(),
                               "folder_fs_block": where.f_bsize}}

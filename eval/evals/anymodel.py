@@ -232,7 +232,7 @@ STATUSES = ("identical", "refused", "differs", "failed", "skipped")
 
 
 def summary_markdown(rows: list[Row]) -> str:
-    """The table for the README: types by result, refusals and skips grouped by reason."""
+    """The survey's table (``models.md``): types by result, refusals and skips grouped by reason."""
     import transformers
 
     by = {s: [r for r in rows if r.status == s] for s in STATUSES}
@@ -252,13 +252,16 @@ def summary_markdown(rows: list[Row]) -> str:
 
 
 def write_table(rows: list[Row], out_dir: Path) -> list[Path]:
-    """``models.json``, ``models.csv`` and ``models.md`` (the README's table) in ``out_dir``."""
+    """``models.json``, ``models.csv`` and ``models.md`` (the survey's table, linked from
+    docs/huggingface.md) in ``out_dir``."""
     import transformers
 
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = {s: sum(r.status == s for r in rows) for s in STATUSES}
+    from tierattn.eval.report import provenance
+
     meta = {"transformers": transformers.__version__, "torch": torch.__version__,
-            "counts": counts}
+            "counts": counts, "provenance": provenance()}
     paths = [out_dir / "models.json", out_dir / "models.csv", out_dir / "models.md"]
     paths[0].write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=1))
     with paths[1].open("w", newline="") as f:

@@ -1,6 +1,6 @@
 """Train the tiny reasoner: a small GQA Llama that answers pointer-chasing queries hop by hop.
 
-Recipe (what worked on this 2-core CPU; the README's "Training the reasoner" lists what did not):
+Recipe (what worked on this 2-core CPU; docs/training.md lists what did not):
 
 1. **MHA curriculum with rehearsal.** A 3-layer Llama, d=128, 8 heads of 16 dims (MHA), FFN 2d,
    tied embeddings, AdamW lr 2e-3 (betas 0.9/0.98) with 200 warmup steps, no weight decay,
@@ -37,7 +37,7 @@ prompts without fillers the final stage sat near 0.3 for 450 steps, so the rehea
 the stage's own prompts, fillers and all, then repeats their edges and asks queries in the
 task's format. A constant rate then left it at 0.45-0.60 for ~330 steps (the sixth leg); the
 seventh leg's rate, falling from 1e-3 to 1e-4 along a half cosine (``--lr-final``), took it
-to 0.83-0.93 in 1013 steps (the README's "Training the reasoner" has every leg's figures).
+to 0.83-0.93 in 1013 steps (``training.json`` has every leg's figures).
 
     python -m tierattn.eval.training.reasoner --out DIR --minutes 30 --seed 1 --threads 1
     python -m tierattn.eval.training.reasoner --task long --out DIR --minutes 75 --threads 2
@@ -467,7 +467,9 @@ def save(model, vocab: Vocab, out: Path, report, seed: int, *, final: bool) -> N
     model.config.to_json_file(str(out / "config.json"))
     (out / "vocab.json").write_text(json.dumps(asdict(vocab)) + "\n")
     name = "training.json" if final else "training.partial.json"
-    (out / name).write_text(json.dumps(report, indent=1) + "\n")
+    from tierattn.eval.report import provenance
+
+    (out / name).write_text(json.dumps({**report, "provenance": provenance()}, indent=1) + "\n")
 
 
 def load_reasoner(folder: str | Path | None = None):
@@ -494,8 +496,8 @@ def load_reasoner(folder: str | Path | None = None):
     return model.eval(), vocab
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--task", choices=("short", "long"), default="short",
                    help="short: the shipped reasoner from scratch; long: fine-tune a reasoner "
                    "(--init, default the shipped one) on 1K-token prompts")

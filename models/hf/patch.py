@@ -33,6 +33,7 @@ from tierattn.errors import (TierConfigError, TierStateError, UnsupportedDecodin
                              UnsupportedModelError)
 from tierattn.models.hf.cache import CACHE_KWARG, CURRENT, TieredCache
 from tierattn.models.hf.support import check_model
+from tierattn.telemetry import handle_stats
 
 __all__ = ["ATTN_NAME", "PatchHandle", "patch", "tiered_attention"]
 
@@ -223,8 +224,19 @@ class PatchHandle:
                 "attention registration would silently fall back to another implementation).")
 
     def stats(self) -> dict:
-        """Telemetry of the last tiered cache ``generate`` used ({} before the first call)."""
-        return self.cache.stats() if self.cache is not None else {}
+        """Telemetry of the last tiered cache ``generate`` used, in the handles' one schema
+        (:func:`tierattn.telemetry.handle_stats`): ``handle`` ("patch"), ``bytes`` per tier
+        (``stored``: pages demoted into it, ``loaded``: pages recalled from it), then the
+        cache's own ``total`` and ``layers`` (:meth:`TieredKVCache.stats`; empty before the
+        first call)."""
+        if self.cache is None:
+            return handle_stats("patch", {}, total={}, layers=[])
+        own = self.cache.stats()
+        total = own["total"]
+        tiers = sorted(set(total["d2h_bytes"]) | set(total["h2d_bytes"]))
+        return handle_stats("patch", {t: {"stored": total["d2h_bytes"].get(t, 0),
+                                          "loaded": total["h2d_bytes"].get(t, 0)}
+                                      for t in tiers}, **own)
 
     def undo(self) -> None:
         """Restore the model exactly (attention implementation, ``generate``); idempotent.

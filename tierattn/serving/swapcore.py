@@ -37,12 +37,13 @@ from typing import Literal
 import torch
 
 from tierattn.config import SwapConfig
-from tierattn.serving.costmodel import CostModel, attention_work
 from tierattn.errors import KernelInputError, KVCapacityError, KVFileError, KVIOError
 from tierattn.kernels._common import FLOAT_DTYPES
-from tierattn.storage.pagemap import HOT
+from tierattn.serving.costmodel import CostModel, attention_work
 from tierattn.serving.swaptiers import SwapCounters, SwapTiers
+from tierattn.storage.pagemap import HOT
 from tierattn.storage.transfer import TransferEngine
+from tierattn.telemetry import handle_stats
 
 # SwapConfig lives in tierattn.config; re-exported here, where it was first defined
 __all__ = ["Decision", "SwapConfig", "SwapLog", "SwapStore", "Swapper"]
@@ -479,26 +480,25 @@ class Swapper:
         kinds = self.store.kinds if self.store is not None else tuple(
             s.kind for s in self.config.tiers)
         moved = log.moved
-        return {
-            "policy": self.config.policy,
-            "swapped_out": log.swapped_out, "swapped_in": log.swapped_in,
-            "swapped_blocks": log.swapped_blocks,
-            "recomputed_requests": log.recomputed_requests,
-            "recomputed_tokens": log.recomputed_tokens,
-            "tiers_full": moved.no_room,
-            "faults": {"store": moved.store_faults, "load": moved.load_faults},
-            "bytes": {k: {"stored": moved.stored_bytes.get(k, 0),
-                          "loaded": moved.loaded_bytes.get(k, 0)} for k in kinds},
-            "moved": moved.as_dict(),
-            "held_bytes": {k: (self.store.tiers[i + 1].num_used(0) * self.store.slot_bytes
-                               if self.store is not None else 0) for i, k in enumerate(kinds)},
-            "reserved_bytes": self.store.swap.held_bytes() if self.store is not None else
+        return handle_stats(
+            "swap", {k: {"stored": moved.stored_bytes.get(k, 0),
+                         "loaded": moved.loaded_bytes.get(k, 0)} for k in kinds},
+            policy=self.config.policy,
+            swapped_out=log.swapped_out, swapped_in=log.swapped_in,
+            swapped_blocks=log.swapped_blocks,
+            recomputed_requests=log.recomputed_requests,
+            recomputed_tokens=log.recomputed_tokens,
+            tiers_full=moved.no_room,
+            faults={"store": moved.store_faults, "load": moved.load_faults},
+            moved=moved.as_dict(),
+            held_bytes={k: (self.store.tiers[i + 1].num_used(0) * self.store.slot_bytes
+                            if self.store is not None else 0) for i, k in enumerate(kinds)},
+            reserved_bytes=self.store.swap.held_bytes() if self.store is not None else
             dict.fromkeys(kinds, 0),
-            "peak_reserved_bytes": {k: log.peak_reserved_bytes.get(k, 0) for k in kinds},
-            "decisions": [d.as_dict() for d in log.decisions],
-            "cost_check": check,
-            "cost_model": self.costs.as_dict(),
-        }
+            peak_reserved_bytes={k: log.peak_reserved_bytes.get(k, 0) for k in kinds},
+            decisions=[d.as_dict() for d in log.decisions],
+            cost_check=check,
+            cost_model=self.costs.as_dict())
 
 
 def _seconds(s: float | None) -> str:

@@ -7,7 +7,7 @@ process; prints the medians. On a GPU the projection is one batched matmul launc
 step; on this CPU the bench also times that matmul's arithmetic (bf16, [1, 32, 128] x
 [8, 128, 48]).
 
-    python eval/results/host-ctx4k_32k-b1_8-2/ab_projection.py
+    python eval/results/host-ctx4k_32k-b1_8-projection/ab_projection.py
 """
 
 import statistics
