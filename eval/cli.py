@@ -31,6 +31,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from tierattn.eval import commands
+from tierattn.eval.commands import UsageError
+
 
 #: the serving bench's runs (tierattn.eval.bench.serving.POLICIES but the reference, listed here so
 #: --help imports no torch)
@@ -43,10 +46,6 @@ METHOD_NAMES = ("full", "offload", "split", "topk", "adaptive", "topk-max", "top
 #: ``tierattn bench`` subcommands
 BENCHES = ("kv", "hostcost", "host", "disk", "serving", "vllm", "vllm-hotset", "gpu")
 DTYPES = ("bf16", "fp16", "fp32")
-
-
-class UsageError(Exception):
-    """A command-line mistake: printed as one line naming the flag and the fix, exit 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -184,14 +183,9 @@ def _existing(kind: str):
 
 
 def _command(name: str):
-    """The subcommand's body in :mod:`tierattn.eval.commands`, imported when it runs (``--help``
-    imports no torch)."""
-    def run(args: argparse.Namespace) -> int:
-        from tierattn.eval import commands
-
-        return getattr(commands, name)(args)
-    run.__name__ = name
-    return run
+    """The subcommand's body in :mod:`tierattn.eval.commands` (which imports torch and the rest
+    only when a command runs: ``--help`` stays fast)."""
+    return getattr(commands, name)
 
 
 def _run_flags(parser: argparse.ArgumentParser) -> None:

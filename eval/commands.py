@@ -1,6 +1,6 @@
 """What each ``tierattn`` subcommand runs, given its parsed flags (:mod:`tierattn.eval.cli`
-builds the parser). A mistake the parser cannot see flag by flag raises
-:class:`~tierattn.eval.cli.UsageError` before any work starts."""
+builds the parser). A mistake the parser cannot see flag by flag raises :class:`UsageError`
+before any work starts."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import os
 import sys
 from pathlib import Path
 
-from tierattn.eval.cli import UsageError
+
+class UsageError(Exception):
+    """A command-line mistake: printed as one line naming the flag and the fix, exit 2."""
+
 
 def _threads(args: argparse.Namespace) -> None:
     if getattr(args, "threads", None):

@@ -68,6 +68,32 @@ def test_results_folders_are_never_overwritten(tmp_path):
     assert "0.50" in table and table.splitlines()[-1].split()[-1] == "-"
 
 
+def test_every_results_file_records_where_it_came_from(tmp_path, monkeypatch):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    import torch
+
+    from tierattn.eval.report import save_json
+
+    monkeypatch.setattr("sys.argv", ["tierattn", "eval", "reasoning", "--n", "4"])
+    path = save_json({"cells": []}, tmp_path / "results.json", quiet=True)
+    prov = json.loads(path.read_text())["provenance"]
+    assert prov["command"] == "tierattn eval reasoning --n 4"
+    assert prov["versions"]["torch"] == torch.__version__ and "triton" in prov["versions"]
+    assert prov["machine"]["cpu_count"] >= 1 and prov["machine"]["cpu_model"] and prov["date"]
+    # the checkout's commit (this test runs from one), and whether tracked files differ from it
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+    assert prov["commit"] == head and isinstance(prov["dirty"], bool)
+    # a file read back as a configuration records nothing; a given provenance is kept
+    bare = save_json({"x": 1}, tmp_path / "calibration.json", quiet=True, record=False)
+    assert json.loads(bare.read_text()) == {"x": 1}
+    kept = save_json({"provenance": {"commit": "abc"}}, tmp_path / "kept.json", quiet=True)
+    assert json.loads(kept.read_text()) == {"provenance": {"commit": "abc"}}
+
+
 def test_method_configs_hold_equal_hbm_bytes():
     for m in METHODS:
         cfg = method_config(m, 0.5)

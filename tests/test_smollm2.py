@@ -194,5 +194,5 @@ def test_asking_for_more_text_than_there_is_is_one_line(smollm2, capsys):
     assert main(["eval", "keytier", "--contexts", "4096", "--segments", "500"]) == 2
     err = capsys.readouterr().err  # the model's loading bars, then the one error line
     last = err.strip().splitlines()[-1]
-    assert "Traceback" not in err and last.startswith("tierattn eval: error: segments=500")
+    assert "Traceback" not in err and last.startswith("tierattn eval keytier: error: segments=500")
     assert "--segments" in last and "at most" in last, last
