@@ -2,84 +2,81 @@
 
 Every public op takes ``backend="auto" | "triton" | "torch"``: Triton on CUDA tensors or under
 the interpreter (``TRITON_INTERPRET=1``), the torch reference otherwise. Shapes, the page-table
-contract and the math are in ``kernels/README.md``. No transformers import here.
+contract and the math are in ``kernels/README.md``. No transformers import here, and nothing
+imported until a name is used (PEP 562).
 """
 
+from __future__ import annotations
+
+#: public name -> the module that defines it
+_LAZY = {
+    "copy_pages": "tierattn.kernels.page_copy",
+    "copy_pages_reference": "tierattn.kernels.page_copy",
+    "DecodeOutput": "tierattn.kernels.decode",
+    "decode_page_mass": "tierattn.kernels.decode",
+    "merge_page_mass": "tierattn.kernels.decode",
+    "merge_page_mass_reference": "tierattn.kernels.decode",
+    "sparse_decode": "tierattn.kernels.decode",
+    "sparse_decode_reference": "tierattn.kernels.decode",
+    "host_decode": "tierattn.kernels.host",
+    "host_decode_available": "tierattn.kernels.host",
+    "host_read": "tierattn.kernels.host",
+    "host_threads": "tierattn.kernels.host",
+    "merge_state": "tierattn.kernels.merge",
+    "merge_states": "tierattn.kernels.merge",
+    "merge_states_reference": "tierattn.kernels.merge",
+    "page_metadata": "tierattn.kernels.metadata",
+    "page_metadata_reference": "tierattn.kernels.metadata",
+    "PageTable": "tierattn.kernels.page_table",
+    "KernelSet": "tierattn.kernels.kernel_set",
+    "PrefillOutput": "tierattn.kernels.prefill",
+    "paged_prefill": "tierattn.kernels.prefill",
+    "paged_prefill_mass": "tierattn.kernels.prefill",
+    "paged_prefill_reference": "tierattn.kernels.prefill",
+    "quest_score": "tierattn.kernels.score",
+    "quest_score_reference": "tierattn.kernels.score",
+    "PageSelection": "tierattn.kernels.select",
+    "select_pages": "tierattn.kernels.select",
+    "select_pages_reference": "tierattn.kernels.select",
+    "quantize_keys": "tierattn.kernels.sketch",
+    "sketch_score": "tierattn.kernels.sketch",
+    "sketch_score_reference": "tierattn.kernels.sketch",
+}
+__all__ = sorted(_LAZY)
+
+
+def _hand_over_the_name() -> None:
+    """Python started in the checkout has its root on sys.path, where this folder (installed as
+    ``tierattn.kernels``) is found as ``kernels``. That name belongs to Hugging Face's kernels
+    package, which transformers imports when it is installed: give ``import kernels`` the
+    ``kernels`` found on the rest of the path, or -- when there is none -- what a plain folder of
+    that name would be, an empty namespace package (no ``__file__``, nothing in it)."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != root])
+    if spec is None or spec.loader is None:
+        for name in ("__file__", "__cached__"):
+            globals().pop(name, None)
+        globals()["__path__"] = []
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # what `import kernels` returns once this file has run
+    spec.loader.exec_module(module)
+
+
 if __name__ == "kernels":
-    # Python started in the checkout has its root on sys.path, where this folder (installed as
-    # tierattn.kernels) is found as `kernels` first. That name belongs to Hugging Face's kernels
-    # package, which transformers imports when it is installed: hand the name over to the
-    # `kernels` found on the rest of the path (or to none), as if this folder were not there.
-    import importlib.machinery as _machinery
-    import importlib.util as _util
-    import os as _os
-    import sys as _sys
+    _hand_over_the_name()
+else:
+    def __getattr__(name: str):
+        if name in _LAZY:
+            import importlib
 
-    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-    _spec = _machinery.PathFinder.find_spec(
-        "kernels", [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root])
-    if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
-    _module = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _module  # what `import kernels` returns once this file has run
-    _spec.loader.exec_module(_module)
-    # the rest of this file still runs, into the discarded module: it imports tierattn.kernels
-    # under its own name, which Hugging Face's kernels does not touch
-
-from tierattn.kernels.page_copy import copy_pages, copy_pages_reference
-from tierattn.kernels.decode import (
-    DecodeOutput,
-    decode_page_mass,
-    merge_page_mass,
-    merge_page_mass_reference,
-    sparse_decode,
-    sparse_decode_reference,
-)
-from tierattn.kernels.host import host_decode, host_decode_available, host_read, host_threads
-from tierattn.kernels.merge import merge_state, merge_states, merge_states_reference
-from tierattn.kernels.metadata import page_metadata, page_metadata_reference
-from tierattn.kernels.page_table import PageTable
-from tierattn.kernels.kernel_set import KernelSet
-from tierattn.kernels.prefill import (
-    PrefillOutput,
-    paged_prefill,
-    paged_prefill_mass,
-    paged_prefill_reference,
-)
-from tierattn.kernels.score import quest_score, quest_score_reference
-from tierattn.kernels.select import PageSelection, select_pages, select_pages_reference
-from tierattn.kernels.sketch import quantize_keys, sketch_score, sketch_score_reference
-
-__all__ = [
-    "DecodeOutput",
-    "KernelSet",
-    "PageSelection",
-    "PageTable",
-    "PrefillOutput",
-    "copy_pages",
-    "copy_pages_reference",
-    "decode_page_mass",
-    "host_decode",
-    "host_decode_available",
-    "host_read",
-    "host_threads",
-    "merge_page_mass",
-    "merge_page_mass_reference",
-    "merge_state",
-    "merge_states",
-    "merge_states_reference",
-    "page_metadata",
-    "page_metadata_reference",
-    "paged_prefill",
-    "paged_prefill_mass",
-    "paged_prefill_reference",
-    "quantize_keys",
-    "quest_score",
-    "quest_score_reference",
-    "select_pages",
-    "select_pages_reference",
-    "sketch_score",
-    "sketch_score_reference",
-    "sparse_decode",
-    "sparse_decode_reference",
-]
+            value = getattr(importlib.import_module(_LAZY[name]), name)
+            globals()[name] = value
+            return value
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
