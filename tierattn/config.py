@@ -458,6 +458,64 @@ SwapPolicy = Literal["auto", "swap", "recompute"]
 SWAP_TIER_KINDS = ("ddr", "cxl", "disk")
 
 
+def _address(value: object, knob: str, *, url: bool = False) -> str:
+    """``value`` if it is ``HOST:PORT`` (``url``: ``SCHEME://HOST:PORT/...``), else the error."""
+    text = str(value) if isinstance(value, str) else ""
+    body = text.split("://", 1)[1] if url and "://" in text else text
+    host, _, port = body.split("/", 1)[0].rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or (url and "://" not in text):
+        example = "'http://127.0.0.1:8080/metadata'" if url else "'127.0.0.1:50051'"
+        raise TierConfigError(f"remote {knob}={value!r}: give {example}.")
+    return text
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """Where the Mooncake Store is and how long to wait for it.
+
+    Attributes:
+        master: the master's RPC address, ``"HOST:PORT"`` (``mooncake_master --rpc_port``).
+        metadata: the metadata server's URL, ``"http://HOST:PORT/metadata"`` (the master's own
+            with ``--enable_http_metadata_server=true``).
+        local_host: the address other clients reach this one at (loopback on one machine).
+        protocol: ``"tcp"``, or ``"rdma"`` on a cluster with RDMA NICs (``device`` names them).
+        segment_gib: memory this client lends the pool (objects of every instance may live in
+            it; 0 lends none: this client only reads and writes others' memory).
+        buffer_mib: this client's transfer buffer; a value larger than it cannot be moved.
+        deadline_s: the longest one call may take before the store is taken for down.
+        retry_s: how long a store taken for down is skipped before it is asked again.
+        namespace: the first part of every key: instances share blocks when they use the same
+            one (None: the engine's fingerprint of the model -- its name, dtype, block and layer
+            geometry, tensor-parallel rank -- so only instances serving the same model do).
+    """
+
+    master: str
+    metadata: str
+    local_host: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device: str = ""
+    segment_gib: float = 1.0
+    buffer_mib: int = 256
+    deadline_s: float = 2.0
+    retry_s: float = 5.0
+    namespace: str | None = None
+
+    def __post_init__(self) -> None:
+        _address(self.master, "master")
+        _address(self.metadata, "metadata", url=True)
+        if self.protocol not in ("tcp", "rdma"):
+            raise TierConfigError(f"remote protocol={self.protocol!r}: use 'tcp' or 'rdma'.")
+        for knob, lo in (("segment_gib", 0.0), ("buffer_mib", 1), ("deadline_s", 1e-3),
+                         ("retry_s", 0.0)):
+            v = getattr(self, knob)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo:
+                raise TierConfigError(f"remote {knob}={v!r}: must be a number >= {lo}.")
+        if self.namespace is not None and (not isinstance(self.namespace, str) or
+                                           not self.namespace or "/" in self.namespace):
+            raise TierConfigError(f"remote namespace={self.namespace!r}: a non-empty name "
+                                  "without '/', or None.")
+
+
 @dataclass(frozen=True)
 class SwapConfig:
     """Where preempted sequences' KV goes, and when.
@@ -479,6 +537,9 @@ class SwapConfig:
         probe_slots: slots per calibration probe (probes of 1 and of this many slots, three
             times each).
         backend: the page-copy kernel's backend (``"auto"``, ``"triton"``, ``"torch"``).
+        remote: a Mooncake Store below the tiers (:class:`RemoteConfig`; vLLM's connector):
+            every stored block is also put there under its content key, and a lookup the tiers
+            miss asks the store, so an engine instance loads what another one stored.
     """
 
     tiers: tuple[TierSpec | str, ...] = ("ddr",)
@@ -486,8 +547,12 @@ class SwapConfig:
     calibration: str | os.PathLike | None = None
     probe_slots: int = 8
     backend: str = "auto"
+    remote: RemoteConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.remote is not None and not isinstance(self.remote, RemoteConfig):
+            raise TierConfigError(f"SwapConfig.remote: a tierattn.config.RemoteConfig or None, "
+                                  f"got {type(self.remote).__name__}.")
         object.__setattr__(self, "tiers", parse_tiers(self.tiers, knob="SwapConfig.tiers",
                                                       kinds=SWAP_TIER_KINDS))
         if self.policy not in SWAP_POLICIES:

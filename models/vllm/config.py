@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tierattn.config import SwapConfig, TierConfig, TierSpec
+from tierattn.config import RemoteConfig, SwapConfig, TierConfig, TierSpec
 from tierattn.errors import TierConfigError, UnsupportedEngineError
 
 __all__ = ["ENGINE_BLOCKS", "HOT_SET_CONNECTOR", "SUPPORTED", "VLLM_INTERNALS", "check_vllm",
@@ -112,8 +112,9 @@ def vllm_kv_transfer_config(tiers: Sequence[TierSpec | str] | SwapConfig = ("ddr
     """The ``kv_transfer_config`` that puts tierattn's tiers under vLLM.
 
     Args:
-        tiers: a :class:`~tierattn.config.SwapConfig` (then ``policy``, ``calibration`` and
-            ``backend`` come from it), or the tiers, fastest first: kinds ``"ddr"``, ``"cxl"``,
+        tiers: a :class:`~tierattn.config.SwapConfig` (then ``policy``, ``calibration``,
+            ``backend`` and ``remote`` -- a Mooncake Store shared by engine instances -- come
+            from it), or the tiers, fastest first: kinds ``"ddr"``, ``"cxl"``,
             ``"disk"`` (names or :class:`~tierattn.config.TierSpec`; a disk tier needs
             ``path``). Capacities, per worker: ``capacity_gib`` or ``capacity_pages`` (in vLLM
             blocks); by default the rule of :func:`tierattn.serving.swaptiers.swap_capacities` (host
@@ -149,6 +150,8 @@ def vllm_kv_transfer_config(tiers: Sequence[TierSpec | str] | SwapConfig = ("ddr
         "backend": swap.backend, "offload_prompt_only": bool(prompt_only)}
     if swap.calibration is not None:
         extra["calibration"] = str(Path(swap.calibration).resolve())
+    if swap.remote is not None:
+        extra["remote"] = dataclasses.asdict(swap.remote)
     if block_size is not None:
         extra["block_size"] = block_size
     return {"kv_connector": "TierattnOffloadingConnector", "kv_connector_module_path": MODULE,
@@ -165,9 +168,14 @@ def swap_config(extra: dict) -> SwapConfig:
     except TypeError as e:
         raise TierConfigError(f"kv_connector_extra_config['tiers']: {e}; write it with "
                               "tierattn.vllm_kv_transfer_config().") from e
+    try:
+        remote = RemoteConfig(**extra["remote"]) if extra.get("remote") else None
+    except TypeError as e:
+        raise TierConfigError(f"kv_connector_extra_config['remote']: {e}; write it with "
+                              "tierattn.vllm_kv_transfer_config().") from e
     return SwapConfig(tiers=tiers, policy=extra.get("policy", "auto"),
                       calibration=extra.get("calibration"),
-                      backend=extra.get("backend", "auto"))
+                      backend=extra.get("backend", "auto"), remote=remote)
 
 
 

@@ -21,6 +21,8 @@ The private vLLM attributes read here are listed in
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,15 +37,18 @@ from vllm.v1.kv_offload.base import (CanonicalKVCaches, OffloadingCounterMetadat
                                      OffloadingGaugeMetadata, OffloadingSpec)
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from tierattn.serving.costmodel import attention_work
 from tierattn.errors import TierConfigError
+from tierattn.serving.costmodel import attention_work
 from tierattn.serving.swaptiers import SwapCounters, swap_capacities
+from tierattn.storage.remote import RemoteStore, RemoteStoreError
 
 from .config import ENGINE_BLOCKS, check_vllm, swap_config
 from .manager import METRIC, TieredBlockManager
 from .worker import TieredBlockWorker
 
 __all__ = ["TierWorkerMetadata", "TierattnOffloadingConnector", "TierattnOffloadingSpec"]
+
+logger = logging.getLogger("tierattn.vllm")
 
 #: what each of tierattn's metrics counts (:class:`~tierattn.serving.swaptiers.SwapCounters`)
 _COUNTED = {
@@ -72,6 +77,12 @@ class TierattnOffloadingSpec(OffloadingSpec):
                 documentation=doc, labelnames=("tier",) if name in per_kind else ())
         defs[METRIC + "used_slots"] = OffloadingGaugeMetadata(
             documentation="Slots (vLLM blocks) in use per tierattn tier.", labelnames=("tier",))
+        defs[METRIC + "remote_faults"] = OffloadingCounterMetadata(
+            documentation="Remote store calls that failed or ran past their deadline "
+                          "(tierattn.storage.remote).", labelnames=())
+        defs[METRIC + "remote_up"] = OffloadingGaugeMetadata(
+            documentation="1 while the remote store answers, 0 while it is skipped.",
+            labelnames=())
         return defs
 
     def __init__(self, config) -> None:
@@ -88,6 +99,29 @@ class TierattnOffloadingSpec(OffloadingSpec):
             workers=int(config.parallel.world_size), pinned=current_platform.is_cuda())
         self._manager: TieredBlockManager | None = None
         self._worker: TieredBlockWorker | None = None
+        self.ranks = int(config.parallel.world_size)
+
+    def namespace(self) -> str:
+        """The remote keys' first part: ``RemoteConfig.namespace``, or a fingerprint of what
+        the bytes are -- the model's name, dtype, block geometry and tensor-parallel size --
+        so that only instances serving the same model share blocks."""
+        if self.swap.remote is not None and self.swap.remote.namespace:
+            return self.swap.remote.namespace
+        what = (f"{self.config.model.name}|{self.config.model.dtype}|"
+                f"{self.tokens_per_block[0] * self.blocks_per_chunk}|{self.block_bytes}|"
+                f"{self.ranks}")
+        return "vllm-" + hashlib.sha256(what.encode()).hexdigest()[:16]
+
+    def _remote(self) -> RemoteStore | None:
+        """A client of the remote store, or None without one -- and when the store does not
+        answer at start: the engine serves from its own tiers (a warning says why)."""
+        if self.swap.remote is None:
+            return None
+        try:
+            return RemoteStore(self.swap.remote)
+        except RemoteStoreError as e:
+            logger.warning("tierattn: no remote store (%s); serving from the local tiers.", e)
+            return None
 
     def get_manager(self) -> TieredBlockManager:
         if self._manager is None:
@@ -98,7 +132,8 @@ class TierattnOffloadingSpec(OffloadingSpec):
                 chunk_bytes=self.block_bytes * bpc,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 cache_policy=self.extra_config.get("eviction_policy", "lru"),
-                store_threshold=int(self.extra_config.get("store_threshold", 0)))
+                store_threshold=int(self.extra_config.get("store_threshold", 0)),
+                remote=self._remote(), namespace=self.namespace(), ranks=self.ranks)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> TieredBlockWorker:
@@ -108,7 +143,8 @@ class TierattnOffloadingSpec(OffloadingSpec):
             self._worker = TieredBlockWorker(
                 kv_caches, self.swap, self.capacities, tokens_per_block=self.tokens_per_block[0],
                 blocks_per_chunk=self.blocks_per_chunk, dtype=dtype,
-                fingerprint=fingerprint.replace("/", "_"))
+                fingerprint=fingerprint.replace("/", "_"), remote=self._remote(),
+                namespace=self.namespace(), rank=int(self.config.parallel.rank))
         return self._worker
 
 

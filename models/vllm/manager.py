@@ -15,6 +15,11 @@ and a new chunk takes the fastest tier with room. To that it adds:
   store's chunks are dropped, a failed load's once their last reader completes;
 * the counters of :class:`~tierattn.serving.swaptiers.SwapCounters` as ``vllm:tierattn_*`` metrics.
 
+* the remote store (``SwapConfig.remote``: Mooncake Store, shared by engine instances): a key
+  the tiers miss is asked there (every rank's copy must be there); a hit is loaded as a chunk
+  of the ``"remote"`` kind, priced by the cost model like any tier, and read by the workers
+  under its content key (:class:`TierLoadStoreSpec` carries the keys).
+
 Documented differences from vLLM's CPU manager: ``policy="recompute"`` stores nothing; KV
 events name ``Medium.CPU`` for every tier (disk included).
 """
@@ -27,7 +32,7 @@ from collections.abc import Collection, Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats)
-from vllm.v1.kv_offload.base import (LookupResult, OffloadingEvent, OffloadKey,
+from vllm.v1.kv_offload.base import (LoadStoreSpec, LookupResult, OffloadingEvent, OffloadKey,
                                      PrepareStoreOutput, ReqContext)
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
@@ -36,13 +41,31 @@ from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 from tierattn.config import SwapConfig
 from tierattn.serving.costmodel import CostModel
 from tierattn.serving.swaptiers import SwapCounters
+from tierattn.storage.remote import RemoteStore
 
-__all__ = ["EXPLORE_EVERY", "METRIC", "TieredBlockManager", "chunk_bounds"]
+__all__ = ["EXPLORE_EVERY", "METRIC", "TierLoadStoreSpec", "TieredBlockManager", "chunk_bounds",
+           "remote_keys"]
 
 #: under "auto", one declined load in this many is taken anyway, so the load fits stay measured
 EXPLORE_EVERY = 16
 #: prefix of tierattn's metrics (``llm.get_metrics()``, Prometheus)
 METRIC = "vllm:tierattn_"
+
+
+def remote_keys(namespace: str, key: OffloadKey, ranks: int) -> list[str]:
+    """The remote store's keys of one chunk: one per tensor-parallel rank (each holds its
+    shard of the heads)."""
+    return [RemoteStore.key(namespace, key + r.to_bytes(2, "big")) for r in range(ranks)]
+
+
+class TierLoadStoreSpec(CPULoadStoreSpec):
+    """vLLM's CPU spec (chunk ids) plus each chunk's offload key, for the workers to name it
+    in the remote store; chunk ids from ``remote_from`` on are chunks read from the remote
+    store, not tier slots."""
+
+    def __init__(self, chunk_ids: list[int], keys: list[OffloadKey], remote_from: int) -> None:
+        super().__init__(chunk_ids)
+        self.keys, self.remote_from = list(keys), remote_from
 
 
 def chunk_bounds(capacities: Sequence[int], blocks_per_chunk: int) -> list[int]:
@@ -64,11 +87,15 @@ class TieredBlockManager(CPUOffloadingManager):
         enable_events: emit KV events (vLLM's ``--kv-events-config``).
         cache_policy, store_threshold: as vLLM's CPU manager (``"lru"`` or ``"arc"``; offers a
             chunk needs before it is stored).
+        remote: the remote store's client (``config.remote``), or None.
+        namespace: the first part of the remote keys (the engine's model fingerprint).
+        ranks: tensor-parallel ranks (each stores its shard under its own key).
     """
 
     def __init__(self, config: SwapConfig, capacities: Sequence[int], *, blocks_per_chunk: int,
                  tokens_per_chunk: int, chunk_bytes: int, enable_events: bool = False,
-                 cache_policy: str = "lru", store_threshold: int = 0) -> None:
+                 cache_policy: str = "lru", store_threshold: int = 0,
+                 remote: RemoteStore | None = None, namespace: str = "", ranks: int = 1) -> None:
         self.bounds = chunk_bounds(capacities, blocks_per_chunk)
         super().__init__(num_chunks=self.bounds[-1], cache_policy=cache_policy,
                          enable_events=enable_events, store_threshold=store_threshold)
@@ -77,7 +104,13 @@ class TieredBlockManager(CPUOffloadingManager):
         self.bpc, self.tokens_per_chunk, self.chunk_bytes = (blocks_per_chunk, tokens_per_chunk,
                                                              chunk_bytes)
         self.capacities = list(capacities)
-        self.costs = CostModel(self.kinds)
+        self.remote, self.namespace, self.ranks = remote, namespace, ranks
+        #: keys the remote store holds that this engine's tiers do not -> readers in flight
+        self._remote: dict[OffloadKey, int] = {}
+        #: keys whose remote load failed: never asked of the store again by this engine
+        self._remote_refused: set[OffloadKey] = set()
+        self._remote_faults = 0
+        self.costs = CostModel(self.kinds + (("remote",) if remote is not None else ()))
         if config.calibration is not None:
             self.costs.load(config.calibration)
         self.counters = SwapCounters()
@@ -93,6 +126,9 @@ class TieredBlockManager(CPUOffloadingManager):
 
     def _kind(self, key: OffloadKey) -> str:
         return self.kinds[self.tier_of(self._policy.get(key).chunk_id)]
+
+    def _get_load_store_spec(self, keys, chunks) -> TierLoadStoreSpec:
+        return TierLoadStoreSpec([c.chunk_id for c in chunks], list(keys), self.bounds[-1])
 
     # --- slots: the fastest tier with room ---------------------------------------------------
 
@@ -134,7 +170,38 @@ class TieredBlockManager(CPUOffloadingManager):
         if result is LookupResult.HIT:
             self._hits.setdefault(req_context.req_id, []).append(
                 self.tier_of(self._policy.get(key).chunk_id))
+        elif result is LookupResult.MISS and self._in_remote(key):
+            self._remote.setdefault(key, 0)
+            self._hits.setdefault(req_context.req_id, []).append(len(self.kinds))
+            return LookupResult.HIT
         return result
+
+    def _in_remote(self, key: OffloadKey) -> bool:
+        """Whether the remote store holds every rank's copy of ``key`` (not asked again for a
+        key whose load from it failed)."""
+        if self.remote is None or key in self._remote_refused:
+            return False
+        return key in self._remote or all(self.remote.contains(
+            remote_keys(self.namespace, key, self.ranks)))
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext
+                     ) -> LoadStoreSpec:
+        """vLLM's spec of the chunks to load, in ``keys`` order: the tiers' chunk ids, and for
+        a chunk only the remote store holds an id past the tiers' (``remote_from`` on)."""
+        keys = list(keys)
+        local = [k for k in keys if k not in self._remote or self._policy.get(k) is not None]
+        if len(local) == len(keys):
+            return super().prepare_load(keys, req_context)
+        ids = iter(super().prepare_load(local, req_context).chunk_ids.tolist() if local else ())
+        out, extra = [], self.bounds[-1]
+        for k in keys:
+            if k in self._remote and self._policy.get(k) is None:
+                self._remote[k] += 1
+                out.append(extra)
+                extra += 1
+            else:
+                out.append(next(ids))
+        return TierLoadStoreSpec(out, keys, self.bounds[-1])
 
     def begin_lookup(self, req_id: str) -> None:
         """A request's prefix is about to be looked up (its hits are collected for
@@ -151,8 +218,9 @@ class TieredBlockManager(CPUOffloadingManager):
         if self.policy != "auto" or not tokens or not tiers:
             return True
         placement: dict[str, int] = {}
+        kinds = self.kinds + ("remote",)
         for tier in tiers:
-            placement[self.kinds[tier]] = placement.get(self.kinds[tier], 0) + self.chunk_bytes
+            placement[kinds[tier]] = placement.get(kinds[tier], 0) + self.chunk_bytes
         load = 0.0
         for kind, nbytes in placement.items():
             t = self.costs.transfer_s(kind, "load", nbytes)
@@ -200,6 +268,21 @@ class TieredBlockManager(CPUOffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         keys = list(keys)
+        remote = [k for k in keys if k in self._remote and self._policy.get(k) is None]
+        for k in remote:
+            if k in self._failed:
+                self.counters.load_faults += 1
+                self._failed.discard(k)
+                self._remote.pop(k, None)
+                self._remote_refused.add(k)  # prefilled from now on (stored anew if offered)
+                continue
+            self.counters.count("load", "remote", self.bpc, self.chunk_bytes)
+            self._remote[k] -= 1
+            if self._remote[k] <= 0:
+                del self._remote[k]
+        keys = [k for k in keys if k not in remote]
+        if not keys:
+            return
         super().complete_load(keys, req_context)
         for k in keys:
             chunk = self._policy.get(k)
@@ -219,7 +302,8 @@ class TieredBlockManager(CPUOffloadingManager):
     def mark_failed(self, keys: Collection[OffloadKey]) -> None:
         """The workers reported a failed transfer of ``keys``: their stored copies are not to
         be trusted (a miss from now on); they are dropped as their transfers complete."""
-        self._failed.update(k for k in keys if self._policy.get(k) is not None)
+        self._failed.update(k for k in keys if self._policy.get(k) is not None or
+                            k in self._remote)
 
     def reset_cache(self) -> None:
         """Forget every chunk: vLLM flushes in-flight jobs first and ignores their late
@@ -227,6 +311,8 @@ class TieredBlockManager(CPUOffloadingManager):
         super().reset_cache()
         self._failed.clear()
         self._hits.clear()
+        self._remote.clear()
+        self._remote_refused.clear()
 
     # --- measurements -------------------------------------------------------------------------
 
@@ -251,10 +337,17 @@ class TieredBlockManager(CPUOffloadingManager):
                 out.increase_counter(METRIC + name, value)
         for kind, used in self.used_slots().items():
             out.set_gauge(METRIC + "used_slots", used, (kind,))
+        if self.remote is not None:
+            faults = sum(self.remote.codes.values())
+            if faults > self._remote_faults:
+                out.increase_counter(METRIC + "remote_faults", faults - self._remote_faults)
+                self._remote_faults = faults
+            out.set_gauge(METRIC + "remote_up", int(self.remote.up))
         return out
 
     def summary(self) -> dict:
         """Counters, slots in use and the cost model, as a dict (JSON-serialisable)."""
         return {**self.counters.as_dict(), "used_slots": self.used_slots(),
+                "remote": self.remote.stats() if self.remote is not None else None,
                 "capacities": dict(zip(self.kinds, self.capacities)),
                 "policy": self.policy, "cost_model": self.costs.as_dict()}

@@ -7,12 +7,18 @@ tier and layer; synchronous on CPU, a copy stream on CUDA; disk pages are checks
 a segment file that validate on read; host tiers grow as blocks arrive). A failed store or
 load -- a full disk, an I/O error, a corrupted page, a host tier that cannot grow -- is
 reported, never a wrong token: the connector turns it into dropped chunks and a recompute.
+
+With a remote store (``SwapConfig.remote``), a stored chunk is also put there under its content
+key (this rank's shard of the heads: ``[blocks, layers, K/V, tokens, heads x dim]`` bytes), and
+a chunk the manager found only there is read from it straight into vLLM's blocks; a chunk the
+store lacks, or whose checksum fails, fails the load (recomputed).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,8 +32,9 @@ from tierattn.config import SwapConfig
 from tierattn.errors import KVFileError, KVIOError, TierAttnError, UnsupportedEngineError
 from tierattn.storage.pagemap import HOT
 from tierattn.serving.swaptiers import SwapTiers
+from tierattn.storage.remote import RemoteStore
 
-from .manager import chunk_bounds
+from .manager import TierLoadStoreSpec, chunk_bounds, remote_keys
 
 __all__ = ["TieredBlockWorker"]
 
@@ -53,11 +60,15 @@ class TieredBlockWorker(OffloadingWorker):
         blocks_per_chunk: blocks per stored chunk.
         dtype: the KV dtype (pages are copied bitwise; the dtype only sizes them).
         fingerprint: names this engine's disk files (unique per engine and rank).
+        remote: the remote store's client (``config.remote``), or None.
+        namespace: the first part of the remote keys (the model fingerprint the manager uses).
+        rank: this worker's tensor-parallel rank (its shard's key).
     """
 
     def __init__(self, kv_caches: CanonicalKVCaches, config: SwapConfig, capacities: Sequence[int],
                  *, tokens_per_block: int, blocks_per_chunk: int, dtype: torch.dtype,
-                 fingerprint: str) -> None:
+                 fingerprint: str, remote: RemoteStore | None = None, namespace: str = "",
+                 rank: int = 0) -> None:
         if len(kv_caches.group_data_refs) != 1:
             raise UnsupportedEngineError(
                 f"tierattn's vLLM connector supports one KV-cache group (full attention in "
@@ -76,6 +87,8 @@ class TieredBlockWorker(OffloadingWorker):
         pools = [kv_caches.tensors[i].tensor[:, :page].view(dtype).view(
             -1, 2, tokens_per_block, 1, width) for i in self.layers]
         self.swap = SwapTiers(config, pools, capacities=capacities, fingerprint=fingerprint)
+        self.pools = pools
+        self.remote, self.namespace, self.rank = remote, namespace, rank
         self.tiers, self.device = self.swap.tiers, self.swap.device
         self.tokens_per_block, self.bpc = tokens_per_block, blocks_per_chunk
         self.bounds = [0] + chunk_bounds(capacities, blocks_per_chunk)
@@ -98,12 +111,24 @@ class TieredBlockWorker(OffloadingWorker):
         first = (chunk_id - self.bounds[tier - 1]) * self.bpc
         return tier, range(first, first + self.bpc)
 
-    def _blocks(self, device_spec: GPULoadStoreSpec, spec: CPULoadStoreSpec):
-        """``(tier, tier slots, engine blocks, first tokens)`` per tier the job touches."""
+    def _flat(self, device_spec: GPULoadStoreSpec, spec: CPULoadStoreSpec) -> list[tuple]:
+        """``(chunk id, block in chunk)`` of each engine block of the job, in order."""
         size = int(device_spec.group_sizes[0]) if len(device_spec.group_sizes) else 0
         skip = int(device_spec.block_indices[0]) % self.bpc if size else 0
-        flat = [(tier, s) for c in spec.chunk_ids.tolist()
-                for tier, slots in (self._slots(c),) for s in slots][skip:skip + size]
+        return [(c, j) for c in spec.chunk_ids.tolist() for j in range(self.bpc)][skip:skip + size]
+
+    def _blocks(self, device_spec: GPULoadStoreSpec, spec: CPULoadStoreSpec):
+        """``(tier, tier slots, engine blocks, first tokens)`` per tier the job touches (tier
+        None: chunks read from the remote store, slots their ``(chunk id, block)``)."""
+        size = int(device_spec.group_sizes[0]) if len(device_spec.group_sizes) else 0
+        remote_from = getattr(spec, "remote_from", None)
+        flat = []
+        for c, j in self._flat(device_spec, spec):
+            if remote_from is not None and c >= remote_from:
+                flat.append((None, (c, j)))
+            else:
+                tier, slots = self._slots(c)
+                flat.append((tier, slots[j]))
         if len(flat) != size:
             raise UnsupportedEngineError(
                 f"a transfer of {size} blocks got {len(flat)} tier slots; the manager and the "
@@ -115,10 +140,62 @@ class TieredBlockWorker(OffloadingWorker):
         for i, (tier, _) in enumerate(flat):
             by_tier.setdefault(tier, []).append(i)
         out = []
-        for tier, idx in sorted(by_tier.items()):
+        for tier, idx in sorted(by_tier.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
             sel = torch.tensor(idx)
-            out.append((tier, torch.tensor([flat[i][1] for i in idx]), blocks[sel], starts[sel]))
+            slots = [flat[i][1] for i in idx] if tier is None else \
+                torch.tensor([flat[i][1] for i in idx])
+            out.append((tier, slots, blocks[sel], starts[sel]))
         return out
+
+    # --- the remote store -----------------------------------------------------------------
+
+    def _chunk_key(self, spec: TierLoadStoreSpec, chunk_id: int) -> str:
+        key = spec.keys[spec.chunk_ids.tolist().index(chunk_id)]
+        return remote_keys(self.namespace, key, self.rank + 1)[self.rank]
+
+    def _put_remote(self, spec: TierLoadStoreSpec, device_spec: GPULoadStoreSpec) -> None:
+        """Put the job's whole chunks into the remote store (best effort: the tiers hold
+        them; a failed put is counted by the store)."""
+        t0 = time.perf_counter()
+        blocks = [int(b) for b in device_spec.block_ids[:len(self._flat(device_spec, spec))]]
+        chunks: dict[int, list[int]] = {}
+        for (c, _), b in zip(self._flat(device_spec, spec), blocks):
+            chunks.setdefault(c, []).append(b)
+        whole = {c: bs for c, bs in chunks.items() if len(bs) == self.bpc}
+        if not whole:
+            return
+        keys, payloads = [], []
+        for c, bs in whole.items():
+            idx = torch.as_tensor(bs, dtype=torch.long, device=self.pools[0].device)
+            data = torch.stack([pool[idx] for pool in self.pools], dim=1).cpu().contiguous()
+            keys.append(self._chunk_key(spec, c))
+            payloads.append(data.view(torch.uint8).numpy().data)
+        ok = self.remote.put(keys, payloads)
+        if all(ok):
+            self.transfers.append(("remote", "store", sum(len(p) for p in payloads),
+                                   time.perf_counter() - t0))
+
+    def _get_remote(self, spec: TierLoadStoreSpec, entries: list[tuple[int, int]],
+                    blocks: torch.Tensor) -> int:
+        """Read ``entries`` (chunk id, block in chunk) from the remote store into the engine
+        ``blocks``; raises :class:`KVIOError` for a chunk the store cannot give back."""
+        t0 = time.perf_counter()
+        ids = sorted({c for c, _ in entries})
+        got = self.remote.get([self._chunk_key(spec, c) for c in ids])
+        missing = [c for c, g in zip(ids, got) if g is None]
+        if missing:
+            raise KVIOError(f"the remote store could not give back {len(missing)} of "
+                            f"{len(ids)} chunks (missing, corrupted or the store is down)")
+        shape = (self.bpc, len(self.pools), *self.pools[0].shape[1:])
+        data = {c: torch.frombuffer(bytearray(g), dtype=torch.uint8).view(
+            self.pools[0].dtype).view(shape) for c, g in zip(ids, got)}
+        nbytes = 0
+        for (c, j), b in zip(entries, blocks.tolist()):
+            for layer, pool in enumerate(self.pools):
+                pool[b].copy_(data[c][j, layer])
+            nbytes += data[c][j].numel() * data[c].element_size()
+        self.transfers.append(("remote", "load", nbytes, time.perf_counter() - t0))
+        return nbytes
 
     def _run(self, job_id: int, device_spec: GPULoadStoreSpec, spec: CPULoadStoreSpec,
              store: bool) -> bool:
@@ -135,11 +212,18 @@ class TieredBlockWorker(OffloadingWorker):
 
         try:
             for tier, slots, blocks, starts in self._blocks(device_spec, spec):
-                if store:
+                if tier is None:  # only the remote store holds these chunks
+                    if self.remote is None or not isinstance(spec, TierLoadStoreSpec):
+                        raise UnsupportedEngineError("a load names remote chunks but this "
+                                                     "worker has no remote store")
+                    self._get_remote(spec, slots, blocks)
+                elif store:
                     written.append((tier, slots))
                     job.tickets += self.swap.copy(HOT, blocks, starts, tier, slots, timed)
                 else:
                     job.tickets += self.swap.copy(tier, slots, starts, HOT, blocks, timed)
+            if store and self.remote is not None and isinstance(spec, TierLoadStoreSpec):
+                self._put_remote(spec, device_spec)
         except (OSError, TierAttnError) as e:  # a full disk, an I/O error, a corrupt file
             job.failed = True
             self.failed_jobs.add(job_id)
@@ -184,6 +268,8 @@ class TieredBlockWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self.swap.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 def _landed(ticket) -> bool:

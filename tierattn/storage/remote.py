@@ -39,8 +39,8 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 
+from tierattn.config import RemoteConfig
 from tierattn.errors import KernelInputError, KVIOError, TierConfigError
 
 __all__ = ["MOONCAKE_ERRORS", "RemoteConfig", "RemoteStore", "RemoteStoreError", "frame",
@@ -77,8 +77,9 @@ def _checksum(payload) -> int:
 
 
 def frame(payload: bytes | bytearray | memoryview) -> bytes:
-    """``payload`` with its header: what the store holds."""
-    return HEADER.pack(MAGIC, VERSION, len(payload), _checksum(payload)) + bytes(payload)
+    """``payload`` (any buffer: its bytes in C order) with its header: what the store holds."""
+    data = payload if isinstance(payload, bytes) else bytes(memoryview(payload).cast("B"))
+    return HEADER.pack(MAGIC, VERSION, len(data), _checksum(data)) + data
 
 
 def unframe(value: bytes) -> memoryview | None:
@@ -101,55 +102,6 @@ class RemoteStoreError(KVIOError):
         self.code = code
         self.code_name = MOONCAKE_ERRORS.get(code, f"code {code}") if code is not None \
             else "DEADLINE"
-
-
-def _address(value: object, knob: str, *, url: bool = False) -> str:
-    text = str(value) if isinstance(value, str) else ""
-    body = text.split("://", 1)[1] if url and "://" in text else text
-    host, _, port = body.split("/", 1)[0].rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536 or (url and "://" not in text):
-        example = "'http://127.0.0.1:8080/metadata'" if url else "'127.0.0.1:50051'"
-        raise TierConfigError(f"remote {knob}={value!r}: give {example}.")
-    return text
-
-
-@dataclass(frozen=True)
-class RemoteConfig:
-    """Where the Mooncake Store is and how long to wait for it.
-
-    Attributes:
-        master: the master's RPC address, ``"HOST:PORT"`` (``mooncake_master --rpc_port``).
-        metadata: the metadata server's URL, ``"http://HOST:PORT/metadata"`` (the master's own
-            with ``--enable_http_metadata_server=true``).
-        local_host: the address other clients reach this one at (loopback on one machine).
-        protocol: ``"tcp"``, or ``"rdma"`` on a cluster with RDMA NICs (``device`` names them).
-        segment_gib: memory this client lends the pool (objects of every instance may live in
-            it; 0 lends none: this client only reads and writes others' memory).
-        buffer_mib: this client's transfer buffer; a value larger than it cannot be moved.
-        deadline_s: the longest one call may take before the store is taken for down.
-        retry_s: how long a store taken for down is skipped before it is asked again.
-    """
-
-    master: str
-    metadata: str
-    local_host: str = "127.0.0.1"
-    protocol: str = "tcp"
-    device: str = ""
-    segment_gib: float = 1.0
-    buffer_mib: int = 256
-    deadline_s: float = 2.0
-    retry_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        _address(self.master, "master")
-        _address(self.metadata, "metadata", url=True)
-        if self.protocol not in ("tcp", "rdma"):
-            raise TierConfigError(f"remote protocol={self.protocol!r}: use 'tcp' or 'rdma'.")
-        for knob, lo in (("segment_gib", 0.0), ("buffer_mib", 1), ("deadline_s", 1e-3),
-                         ("retry_s", 0.0)):
-            v = getattr(self, knob)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo:
-                raise TierConfigError(f"remote {knob}={v!r}: must be a number >= {lo}.")
 
 
 class _Down(Exception):

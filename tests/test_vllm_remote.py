@@ -1,0 +1,135 @@
+"""The remote store under vLLM: two engine instances, each in its own process, share a Mooncake
+Store started here on 127.0.0.1 (a master and a ``mooncake_client`` lending the pool its
+memory). The first serves four conversations and stores their blocks; the second, a fresh
+process with empty tiers, finds them in the store and loads them instead of prefilling: its
+tokens equal vLLM's own without the connector, and the loads are counted. A master killed
+before the second engine asks, or values that fail their checksum, turn into recomputes with
+the same tokens and the fault counted.
+
+CI runs this file in the vLLM environment (``.venv-vllm``) with Mooncake installed; it is
+skipped without either.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+from mooncake_helpers import LOOPBACK, Master, mooncake_importable  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not mooncake_importable(), reason="needs Mooncake Store (the "
+                                "[remote] extra) and libibverbs1; .ci/run installs both")
+
+#: one engine in a process of its own: ``mode`` plain (no connector), remote (the DDR tier over
+#: the remote store), corrupt-writer (remote, but every value it puts fails its checksum:
+#: a forced fault), kill-first (remote, the master killed once the engine is built)
+ENGINE = textwrap.dedent("""
+    import json, os, signal, sys
+    from vllm_helpers import run_engine
+    from tierattn.config import RemoteConfig, SwapConfig
+    from tierattn.models.vllm import vllm_kv_transfer_config
+    from tierattn.storage import remote as store
+
+    if __name__ == "__main__":
+        model, mode, master, metadata, pid = sys.argv[1:6]
+        config, before = None, None
+        if mode != "plain":
+            remote = RemoteConfig(master=master, metadata=metadata, segment_gib=0.0,
+                                  buffer_mib=32, deadline_s=1.0, retry_s=60.0)
+            config = vllm_kv_transfer_config(SwapConfig(tiers=("ddr",), policy="swap",
+                                                        remote=remote), prompt_only=False)
+        if mode == "corrupt-writer":
+            frame = store.frame
+            store.frame = lambda payload: frame(payload)[:-1] + b"?"
+        if mode == "kill-first":
+            before = lambda: os.kill(int(pid), signal.SIGKILL)
+        run = run_engine(mode, model, config, rounds=1, before=before)
+        print("RESULT" + json.dumps({"tokens": run.tokens[0], "cached": run.cached[0],
+                                     "metrics": {f"{n}|{t}": v for (n, t), v
+                                                 in run.metrics[-1].items()
+                                                 if "tierattn" in n}}))
+""")
+
+
+def _engine(model: str, mode: str, master: Master, tmp_path: Path) -> dict:
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE)
+    cfg = master.config()
+    env = {**LOOPBACK, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": str(Path(__file__).parent)}
+    done = subprocess.run([sys.executable, str(script), model, mode, cfg.master, cfg.metadata,
+                           str(master.proc.pid)], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=tmp_path)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+def _metric(run: dict, name: str, tier: str | None = None) -> float:
+    return run["metrics"].get(f"vllm:tierattn_{name}|{tier}", 0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    from vllm_helpers import save_tiny_models
+
+    return save_tiny_models(tmp_path_factory.mktemp("models"))["llama"]
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("plain")
+    master = Master(tmp / "master.log")  # unused by the plain engine; it only needs addresses
+    try:
+        return _engine(model, "plain", master, tmp)
+    finally:
+        master.stop()
+
+
+def test_another_instance_loads_what_one_stored(model, reference, tmp_path):
+    master = Master(tmp_path / "master.log", pool_mib=256)
+    try:
+        first = _engine(model, "remote", master, tmp_path)
+        second = _engine(model, "remote", master, tmp_path)  # a new process, empty tiers
+    finally:
+        master.stop()
+    assert first["tokens"] == reference["tokens"] and second["tokens"] == reference["tokens"]
+    assert _metric(first, "stored_slots", "ddr") > 0
+    loaded = _metric(second, "loaded_slots", "remote")
+    assert loaded > 0, second["metrics"]
+    # the loaded blocks count as cached tokens, which vLLM alone never has on a first run
+    assert sum(second["cached"]) > sum(reference["cached"]), (second["cached"],
+                                                              reference["cached"])
+    assert _metric(second, "load_faults") == 0 and _metric(second, "remote_faults") == 0
+
+
+def test_values_that_fail_their_checksum_are_recomputed(model, reference, tmp_path):
+    master = Master(tmp_path / "master.log", pool_mib=256)
+    try:
+        _engine(model, "corrupt-writer", master, tmp_path)
+        second = _engine(model, "remote", master, tmp_path)
+    finally:
+        master.stop()
+    assert second["tokens"] == reference["tokens"]
+    assert _metric(second, "load_faults") > 0, second["metrics"]
+    assert _metric(second, "loaded_slots", "remote") == 0
+
+
+def test_a_killed_master_costs_a_recompute_not_a_token(model, reference, tmp_path):
+    master = Master(tmp_path / "master.log", pool_mib=256)
+    try:
+        _engine(model, "remote", master, tmp_path)
+        second = _engine(model, "kill-first", master, tmp_path)
+    finally:
+        master.stop()
+    assert master.proc.poll() is not None  # the engine killed it by its PID
+    assert second["tokens"] == reference["tokens"]
+    assert _metric(second, "loaded_slots", "remote") == 0
+    assert _metric(second, "remote_faults") >= 1, second["metrics"]
+    assert _metric(second, "remote_up") == 0
