@@ -13,6 +13,7 @@
     tierattn bench serving            continuous batching: recompute vs swap vs auto
     tierattn bench vllm               vLLM (its own environment): recompute vs the tiers
     tierattn bench vllm-hotset        vLLM: tierattn's hot set vs vLLM on one pool
+    tierattn bench remote             vLLM: another instance loads a conversation from Mooncake
     tierattn bench gpu --out DIR      the prepared check of every GPU figure (needs CUDA)
     tierattn train --out DIR          train a tiny reasoner (--task long: the long one)
     tierattn models                   every causal-LM type of transformers, patched
@@ -44,7 +45,7 @@ METHOD_NAMES = ("full", "offload", "split", "topk", "adaptive", "topk-max", "top
                 "evict-streaming", "evict-random", "oracle")
 
 #: ``tierattn bench`` subcommands
-BENCHES = ("kv", "hostcost", "host", "disk", "serving", "vllm", "vllm-hotset", "gpu")
+BENCHES = ("kv", "hostcost", "host", "disk", "serving", "vllm", "vllm-hotset", "remote", "gpu")
 DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -380,6 +381,15 @@ def _add_bench(sub) -> None:
                        help="requests per run")
         _run_flags(v)
         v.set_defaults(func=_command("cmd_bench_" + name.replace("-", "_")))
+
+    rem = bsub.add_parser("remote", help="two vLLM instances on SmolLM2-135M sharing a Mooncake "
+                          "Store started on 127.0.0.1 (vLLM's environment, the [remote] extra): "
+                          "a returning conversation loaded on the other instance vs re-prefill "
+                          "vs the first instance's DDR hit; the store's bandwidth vs Mooncake's "
+                          "own client")
+    _smoke(rem, "512-token histories, 2 conversations")
+    _run_flags(rem)
+    rem.set_defaults(func=_command("cmd_bench_remote"))
 
     gpu = _pass_through(bsub, "gpu", help="the prepared check of every GPU figure: "
                           "correctness gate, kernel timings, autotuning, the measured hardware "

@@ -255,6 +255,20 @@ def cmd_bench_vllm_hotset(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_remote(args: argparse.Namespace) -> int:
+    _needs_vllm("bench remote")
+    from tierattn.eval.bench.remote import (RemoteBenchSpec, mooncake_importable,
+                                            remote_summary, run_remote_bench)
+
+    if not mooncake_importable():
+        raise UsageError("bench remote needs Mooncake Store next to this Python: pip install "
+                         "'tierattn[remote]' (and Debian's libibverbs1)")
+    _threads(args)
+    spec = RemoteBenchSpec.smoke() if args.smoke else RemoteBenchSpec()
+    print(remote_summary(run_remote_bench(spec, out_root=args.out_root)))
+    return 0
+
+
 def cmd_bench_gpu(args: argparse.Namespace) -> int:
     from tierattn.eval.bench.gpu import main as gpu_main
 

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from tierattn.eval.cli import main
+from tierattn.eval.cli import BENCHES, main
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -121,10 +121,8 @@ def test_a_deprecated_spelling_with_a_bad_flag_says_both(capsys):
 
 
 @pytest.mark.parametrize("argv", [["eval", "reasoning"], ["eval", "qa"], ["eval", "fidelity"],
-                                  ["eval", "keytier"], *[["bench", b] for b in
-                                                         ("kv", "hostcost", "host", "disk",
-                                                          "serving", "vllm", "vllm-hotset",
-                                                          "gpu")], ["train"]])
+                                  ["eval", "keytier"], *[["bench", b] for b in BENCHES],
+                                  ["train"]])
 def test_every_subcommand_has_its_own_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main([*argv, "--help"])

@@ -46,6 +46,10 @@ def test_a_value_is_its_payload_behind_a_checked_header():
     assert unframe(value[:-1]) is None and unframe(value[:10]) is None  # truncated
     assert unframe(b"XXXX" + value[4:]) is None  # not ours
     assert bytes(unframe(frame(b""))) == b""
+    import numpy as np  # any buffer: its bytes in C order, whatever its shape
+
+    blocks = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    assert bytes(unframe(frame(blocks.data))) == blocks.tobytes()
 
 
 @pytest.mark.parametrize("kw,knob", [

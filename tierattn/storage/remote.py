@@ -78,8 +78,8 @@ def _checksum(payload) -> int:
 
 def frame(payload: bytes | bytearray | memoryview) -> bytes:
     """``payload`` (any buffer: its bytes in C order) with its header: what the store holds."""
-    data = payload if isinstance(payload, bytes) else bytes(memoryview(payload).cast("B"))
-    return HEADER.pack(MAGIC, VERSION, len(data), _checksum(data)) + data
+    data = memoryview(payload).cast("B")  # one copy below, into the value
+    return b"".join((HEADER.pack(MAGIC, VERSION, data.nbytes, _checksum(data)), data))
 
 
 def unframe(value: bytes) -> memoryview | None:
@@ -306,6 +306,8 @@ class RemoteStore:
                 self._pool.submit(client.close).result(timeout=self.config.deadline_s)
             except FutureTimeout:
                 pass
+            except RuntimeError:  # interpreter exit: the thread pools are already shut down
+                client.close()
         self._pool.shutdown(wait=False)
 
     def __enter__(self) -> RemoteStore:
