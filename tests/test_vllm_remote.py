@@ -44,9 +44,8 @@ ENGINE = textwrap.dedent("""
                                   buffer_mib=32, deadline_s=1.0, retry_s=60.0)
             config = vllm_kv_transfer_config(SwapConfig(tiers=("ddr",), policy="swap",
                                                         remote=remote), prompt_only=False)
-        if mode == "corrupt-writer":
-            frame = store.frame
-            store.frame = lambda payload: frame(payload)[:-1] + b"?"
+        if mode == "corrupt-writer":  # every header this engine writes has a wrong checksum
+            store._checksum = lambda data: 0
         if mode == "kill-first":
             before = lambda: os.kill(int(pid), signal.SIGKILL)
         run = run_engine(mode, model, config, rounds=1, before=before)

@@ -213,27 +213,51 @@ class RemoteStore:
 
     def put(self, keys: Sequence[str], payloads: Sequence[bytes | bytearray | memoryview]
             ) -> list[bool]:
-        """Store ``payloads`` under ``keys`` in one batch; per key, whether the store holds it
-        now (a key that exists holds the same bytes: keys name content). Never raises for the
-        store's faults: they are counted and the result is False."""
+        """Store ``payloads`` (any buffers) under ``keys``; per key, whether the store holds it
+        now (a key that exists holds the same bytes: keys name content). One deadline covers
+        the batch. Never raises for the store's faults: they are counted and the result is
+        False."""
         if len(keys) != len(payloads):
             raise KernelInputError(f"put: {len(keys)} keys for {len(payloads)} payloads; give "
                                    "one payload per key")
         if not keys:
             return []
-        values = [frame(p) for p in payloads]
+        views = [memoryview(p).cast("B") for p in payloads]
         try:
-            rc = self._call("put", self._client.put_batch, list(keys), values)
+            if hasattr(self._client, "put_parts"):  # header and payload sent as two parts
+                codes = self._call("put", self._put_parts, list(keys), views)
+            else:  # a client without it: the framed values, one batch
+                code = self._call("put", self._client.put_batch, list(keys),
+                                  [frame(v) for v in views])
+                codes = [code] * len(keys)
         except _Down:
             self.counters["put_failed"] += len(keys)
             return [False] * len(keys)
-        if rc == 0 or rc in ALREADY_THERE:
-            self.counters["put"] += len(keys)
-            self.counters["put_bytes"] += sum(len(v) for v in values)
-            return [True] * len(keys)
-        self._fault(rc, "put")
-        self.counters["put_failed"] += len(keys)
-        return [False] * len(keys)
+        out = []
+        for code, view in zip(codes, views):
+            ok = code == 0 or code in ALREADY_THERE
+            out.append(ok)
+            if ok:
+                self.counters["put"] += 1
+                self.counters["put_bytes"] += HEADER.size + view.nbytes
+            else:
+                self.counters["put_failed"] += 1
+        for code in {c for c in codes if c != 0 and c not in ALREADY_THERE}:
+            self._fault(code, "put")
+        return out
+
+    def _put_parts(self, keys: list[str], views: list[memoryview]) -> list[int]:
+        """Each key's value as its header and its payload, without joining them (no copy of
+        the payload); stops at the first code that says the store is unreachable."""
+        codes: list[int] = []
+        for key, view in zip(keys, views):
+            header = HEADER.pack(MAGIC, VERSION, view.nbytes, _checksum(view))
+            code = self._client.put_parts(key, header, view)
+            codes.append(code)
+            if code in UNREACHABLE:
+                codes += [code] * (len(keys) - len(codes))
+                break
+        return codes
 
     def get(self, keys: Sequence[str]) -> list[memoryview | None]:
         """The payloads under ``keys`` (one batch); None for a key the store lacks, a value that
