@@ -458,15 +458,16 @@ SwapPolicy = Literal["auto", "swap", "recompute"]
 SWAP_TIER_KINDS = ("ddr", "cxl", "disk")
 
 
-def _address(value: object, knob: str, *, url: bool = False) -> str:
-    """``value`` if it is ``HOST:PORT`` (``url``: ``SCHEME://HOST:PORT/...``), else the error."""
+def _address(value: object, knob: str, *, url: bool = False) -> tuple[str, int]:
+    """``(host, port)`` of ``value``, ``HOST:PORT`` (``url``: ``SCHEME://HOST:PORT/...``), or
+    the error naming ``knob``."""
     text = str(value) if isinstance(value, str) else ""
     body = text.split("://", 1)[1] if url and "://" in text else text
     host, _, port = body.split("/", 1)[0].rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536 or (url and "://" not in text):
         example = "'http://127.0.0.1:8080/metadata'" if url else "'127.0.0.1:50051'"
         raise TierConfigError(f"remote {knob}={value!r}: give {example}.")
-    return text
+    return host, int(port)
 
 
 @dataclass(frozen=True)
@@ -501,8 +502,7 @@ class RemoteConfig:
     namespace: str | None = None
 
     def __post_init__(self) -> None:
-        _address(self.master, "master")
-        _address(self.metadata, "metadata", url=True)
+        self.endpoints()
         if self.protocol not in ("tcp", "rdma"):
             raise TierConfigError(f"remote protocol={self.protocol!r}: use 'tcp' or 'rdma'.")
         for knob, lo in (("segment_gib", 0.0), ("buffer_mib", 1), ("deadline_s", 1e-3),
@@ -514,6 +514,11 @@ class RemoteConfig:
                                            not self.namespace or "/" in self.namespace):
             raise TierConfigError(f"remote namespace={self.namespace!r}: a non-empty name "
                                   "without '/', or None.")
+
+    def endpoints(self) -> dict[str, tuple[str, int]]:
+        """``{"master": (host, port), "metadata": (host, port)}``, checked."""
+        return {"master": _address(self.master, "master"),
+                "metadata": _address(self.metadata, "metadata", url=True)}
 
 
 @dataclass(frozen=True)

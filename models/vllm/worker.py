@@ -9,7 +9,8 @@ load -- a full disk, an I/O error, a corrupted page, a host tier that cannot gro
 reported, never a wrong token: the connector turns it into dropped chunks and a recompute.
 
 With a remote store (``SwapConfig.remote``), a stored chunk is also put there under its content
-key (this rank's shard of the heads: ``[blocks, layers, K/V, tokens, heads x dim]`` bytes), and
+key once its copy landed, read from the host tier that holds it (this rank's shard of the
+heads: ``[blocks, layers, K/V, tokens, heads x dim]`` bytes), and
 a chunk the manager found only there is read from it straight into vLLM's blocks; a chunk the
 store lacks, or whose checksum fails, fails the load (recomputed).
 """
@@ -47,6 +48,8 @@ class _Job:
     tickets: list
     result: TransferResult
     failed: bool = False
+    #: chunks to put into the remote store once the copies landed (:meth:`_whole_chunks`)
+    remote: list | None = None
 
 
 class TieredBlockWorker(OffloadingWorker):
@@ -149,39 +152,46 @@ class TieredBlockWorker(OffloadingWorker):
 
     # --- the remote store -----------------------------------------------------------------
 
-    def _chunk_key(self, spec: TierLoadStoreSpec, chunk_id: int) -> str:
-        key = spec.keys[spec.chunk_ids.tolist().index(chunk_id)]
+    def _remote_key(self, key: bytes) -> str:
         return remote_keys(self.namespace, key, self.rank + 1)[self.rank]
 
-    def _put_remote(self, spec: TierLoadStoreSpec, device_spec: GPULoadStoreSpec) -> None:
-        """Put the job's whole chunks into the remote store (best effort: the tiers hold
-        them; a failed put is counted by the store)."""
+    def _whole_chunks(self, device_spec: GPULoadStoreSpec, spec: TierLoadStoreSpec) -> list:
+        """``(remote key, tier, tier slots, first tokens)`` of each chunk the store job wrote
+        whole (a partial chunk is not put: its key names all of its blocks)."""
+        keys = dict(zip(spec.chunk_ids.tolist(), spec.keys))
+        first = int(device_spec.block_indices[0]) if len(device_spec.block_indices) else 0
+        starts: dict[int, list[int]] = {}
+        for i, (c, _) in enumerate(self._flat(device_spec, spec)):
+            starts.setdefault(c, []).append((first + i) * self.tokens_per_block)
+        out = []
+        for c, s in starts.items():
+            if len(s) == self.bpc:
+                tier, slots = self._slots(c)
+                out.append((self._remote_key(keys[c]), tier, list(slots), s))
+        return out
+
+    def _put_remote(self, chunks: list) -> None:
+        """Put landed chunks into the remote store, read from the host tier that holds them
+        (no device read; best effort: the tiers hold them, a failed put is counted by the
+        store). Payload: ``[blocks, layers, *page]`` bytes, as :meth:`_get_remote` reads."""
         t0 = time.perf_counter()
-        blocks = [int(b) for b in device_spec.block_ids[:len(self._flat(device_spec, spec))]]
-        chunks: dict[int, list[int]] = {}
-        for (c, _), b in zip(self._flat(device_spec, spec), blocks):
-            chunks.setdefault(c, []).append(b)
-        whole = {c: bs for c, bs in chunks.items() if len(bs) == self.bpc}
-        if not whole:
-            return
-        keys, payloads = [], []
-        for c, bs in whole.items():
-            idx = torch.as_tensor(bs, dtype=torch.long, device=self.pools[0].device)
-            data = torch.stack([pool[idx] for pool in self.pools], dim=1).cpu().contiguous()
-            keys.append(self._chunk_key(spec, c))
-            payloads.append(data.view(torch.uint8).numpy().data)
-        ok = self.remote.put(keys, payloads)
-        if all(ok):
-            self.transfers.append(("remote", "store", sum(len(p) for p in payloads),
+        payloads = [torch.stack([self.tiers[tier].read(layer, slots, starts)
+                                 for layer in range(len(self.pools))], dim=1).contiguous()
+                    for _, tier, slots, starts in chunks]
+        views = [p.view(torch.uint8).numpy().data for p in payloads]
+        if all(self.remote.put([k for k, *_ in chunks], views)):
+            self.transfers.append(("remote", "store", sum(v.nbytes for v in views),
                                    time.perf_counter() - t0))
 
     def _get_remote(self, spec: TierLoadStoreSpec, entries: list[tuple[int, int]],
                     blocks: torch.Tensor) -> int:
         """Read ``entries`` (chunk id, block in chunk) from the remote store into the engine
-        ``blocks``; raises :class:`KVIOError` for a chunk the store cannot give back."""
+        ``blocks`` (one copy per layer); raises :class:`KVIOError` for a chunk the store cannot
+        give back."""
         t0 = time.perf_counter()
+        keys = dict(zip(spec.chunk_ids.tolist(), spec.keys))
         ids = sorted({c for c, _ in entries})
-        got = self.remote.get([self._chunk_key(spec, c) for c in ids])
+        got = self.remote.get([self._remote_key(keys[c]) for c in ids])
         missing = [c for c, g in zip(ids, got) if g is None]
         if missing:
             raise KVIOError(f"the remote store could not give back {len(missing)} of "
@@ -189,13 +199,13 @@ class TieredBlockWorker(OffloadingWorker):
         shape = (self.bpc, len(self.pools), *self.pools[0].shape[1:])
         data = {c: torch.frombuffer(bytearray(g), dtype=torch.uint8).view(
             self.pools[0].dtype).view(shape) for c, g in zip(ids, got)}
-        nbytes = 0
-        for (c, j), b in zip(entries, blocks.tolist()):
-            for layer, pool in enumerate(self.pools):
-                pool[b].copy_(data[c][j, layer])
-            nbytes += data[c][j].numel() * data[c].element_size()
-        self.transfers.append(("remote", "load", nbytes, time.perf_counter() - t0))
-        return nbytes
+        rows = torch.stack([data[c][j] for c, j in entries])  # [n, layers, *page]
+        idx = blocks.to(self.pools[0].device)
+        for layer, pool in enumerate(self.pools):
+            pool.index_copy_(0, idx, rows[:, layer].to(pool.device, non_blocking=True))
+        self.transfers.append(("remote", "load", rows.numel() * rows.element_size(),
+                               time.perf_counter() - t0))
+        return rows.numel() * rows.element_size()
 
     def _run(self, job_id: int, device_spec: GPULoadStoreSpec, spec: CPULoadStoreSpec,
              store: bool) -> bool:
@@ -223,7 +233,7 @@ class TieredBlockWorker(OffloadingWorker):
                 else:
                     job.tickets += self.swap.copy(tier, slots, starts, HOT, blocks, timed)
             if store and self.remote is not None and isinstance(spec, TierLoadStoreSpec):
-                self._put_remote(spec, device_spec)
+                job.remote = self._whole_chunks(device_spec, spec)  # put once they land
         except (OSError, TierAttnError) as e:  # a full disk, an I/O error, a corrupt file
             job.failed = True
             self.failed_jobs.add(job_id)
@@ -257,6 +267,8 @@ class TieredBlockWorker(OffloadingWorker):
             if any(not _landed(t) for t in job.tickets):
                 break
             self.swap.watch.poll()
+            if job.remote and not job.failed:  # its slots stay reserved until vLLM hears of it
+                self._put_remote(job.remote)
             out.append(self._jobs.pop(self._done.popleft()).result)
         return out
 

@@ -145,13 +145,12 @@ class RemoteStore:
         c = self.config
         # set-up holds the interpreter while Mooncake retries a missing master (about 90 s):
         # ask the master's and the metadata server's ports first, within the deadline
-        for knob, address in (("master", c.master), ("metadata", c.metadata)):
-            host, _, port = address.split("://")[-1].split("/")[0].rpartition(":")
+        for knob, (host, port) in c.endpoints().items():
             try:
-                socket.create_connection((host, int(port)), timeout=c.deadline_s).close()
+                socket.create_connection((host, port), timeout=c.deadline_s).close()
             except OSError as e:
                 self._pool.shutdown(wait=False)
-                raise RemoteStoreError(f"remote {knob}={address!r}: nothing answers there "
+                raise RemoteStoreError(f"remote {knob}={getattr(c, knob)!r}: nothing answers there "
                                        f"({e.strerror or e}); start mooncake_master (with "
                                        "--enable_http_metadata_server=true) or fix the "
                                        "address") from None
