@@ -18,6 +18,7 @@ import pytest
 import torch
 import transformers
 from helpers import corrupt_writes, fail_disk_reads, fail_disk_writes
+from mooncake_helpers import Master, mooncake_importable
 
 from tierattn.config import TierSpec
 from tierattn.errors import TierConfigError, UnsupportedEngineError, UnsupportedModelError
@@ -152,6 +153,59 @@ def test_a_full_ddr_tier_spills_to_disk(models, references, tmp_path):
     assert st["bytes"]["disk"]["stored"] > 0 and st["bytes"]["ddr"]["stored"] > 0
     assert st["bytes"]["disk"]["stored"] == st["bytes"]["disk"]["loaded"]
     assert not any((tmp_path / "kv").iterdir())
+
+
+needs_mooncake = pytest.mark.skipif(not mooncake_importable(), reason="needs the [remote] "
+                                    "extra and libibverbs1; .ci/run installs both")
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A Mooncake Store on 127.0.0.1: a master and a 64 MiB pool."""
+    master = Master(tmp_path / "master.log", pool_mib=64)
+    yield master
+    master.stop()
+
+
+@engine
+@needs_mooncake
+def test_a_full_ddr_tier_spills_to_the_remote_store(models, references, store):
+    model, want = subject(models, references)
+    config = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=4),), policy="swap",
+                        remote=store.config(segment_gib=0.0))
+    with swap(model, config) as handle:
+        assert generate(model, TIGHT) == want
+        st = handle.stats()
+    assert st["bytes"]["remote"]["stored"] == st["bytes"]["remote"]["loaded"] > 0
+    assert st["bytes"]["ddr"]["stored"] > 0 and st["held_bytes"]["remote"] == 0
+    assert st["remote"]["put"] > 0 and st["remote"]["get"] > 0 and st["remote"]["up"]
+    assert st["faults"] == {"store": 0, "load": 0}
+
+
+@engine
+@needs_mooncake
+def test_a_master_killed_during_a_load_recomputes_and_no_request_fails(models, references,
+                                                                       store, monkeypatch):
+    from tierattn.storage.remote import RemoteTier
+
+    model, want = subject(models, references)
+    read = RemoteTier.read_into
+
+    def killed_then_read(self, *a, **kw):  # the master dies as the first load starts
+        store.stop()
+        return read(self, *a, **kw)
+    monkeypatch.setattr(RemoteTier, "read_into", killed_then_read)
+    config = SwapConfig(tiers=(TierSpec("ddr", capacity_pages=2),), policy="swap",
+                        remote=store.config(segment_gib=0.0, deadline_s=1.0, retry_s=60.0))
+    t0 = time.monotonic()
+    with swap(model, config) as handle:
+        assert generate(model, TIGHT) == want
+        st = handle.stats()
+    assert st["faults"]["load"] >= 1 and st["recomputed_requests"] >= st["faults"]["load"]
+    assert st["remote"]["down"] == 1 and not st["remote"]["up"]  # one deadline, then skipped
+    assert time.monotonic() - t0 < 60  # no request waited on the dead store past a deadline
+    assert any(d["reason"] == "tiers full" or d["reason"].startswith("store fault")
+               for d in st["decisions"])  # later victims were not stored into it
 
 
 @engine

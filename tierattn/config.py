@@ -20,7 +20,7 @@ from typing import Literal
 
 from tierattn.errors import TierConfigError
 
-__all__ = ["PRESETS", "SwapConfig", "TierConfig", "TierSpec", "parse_tiers"]
+__all__ = ["PRESETS", "RemoteConfig", "SwapConfig", "TierConfig", "TierSpec", "parse_tiers"]
 
 Attend = Literal["all", "topk", "split", "auto"]
 Score = Literal["mass", "quest", "hybrid"]
@@ -29,7 +29,70 @@ SketchReduce = Literal["max", "lse"]
 Prefetch = Literal["layer_ahead", "speculative", "none"]
 DiskMisses = Literal["read", "defer"]
 EvictPolicy = Literal["h2o", "streaming", "snapkv", "snapkv-decode", "rkv", "random"]
-TIER_KINDS = ("hbm", "ddr", "cxl", "disk")
+TIER_KINDS = ("hbm", "ddr", "cxl", "disk", "remote")
+
+
+def _address(value: object, knob: str, *, url: bool = False) -> tuple[str, int]:
+    """``(host, port)`` of ``value``, ``HOST:PORT`` (``url``: ``SCHEME://HOST:PORT/...``), or
+    the error naming ``knob``."""
+    text = str(value) if isinstance(value, str) else ""
+    body = text.split("://", 1)[1] if url and "://" in text else text
+    host, _, port = body.split("/", 1)[0].rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or (url and "://" not in text):
+        example = "'http://127.0.0.1:8080/metadata'" if url else "'127.0.0.1:50051'"
+        raise TierConfigError(f"remote {knob}={value!r}: give {example}.")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """Where the Mooncake Store is and how long to wait for it.
+
+    Attributes:
+        master: the master's RPC address, ``"HOST:PORT"`` (``mooncake_master --rpc_port``).
+        metadata: the metadata server's URL, ``"http://HOST:PORT/metadata"`` (the master's own
+            with ``--enable_http_metadata_server=true``).
+        local_host: the address other clients reach this one at (loopback on one machine).
+        protocol: ``"tcp"``, or ``"rdma"`` on a cluster with RDMA NICs (``device`` names them).
+        segment_gib: memory this client lends the pool (objects of every instance may live in
+            it; 0 lends none: this client only reads and writes others' memory).
+        buffer_mib: this client's transfer buffer; a value larger than it cannot be moved.
+        deadline_s: the longest one call may take before the store is taken for down.
+        retry_s: how long a store taken for down is skipped before it is asked again.
+        namespace: the first part of every key: instances share blocks when they use the same
+            one (None: the engine's fingerprint of the model -- its name, dtype, block and layer
+            geometry, tensor-parallel rank -- so only instances serving the same model do).
+    """
+
+    master: str
+    metadata: str
+    local_host: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device: str = ""
+    segment_gib: float = 1.0
+    buffer_mib: int = 256
+    deadline_s: float = 2.0
+    retry_s: float = 5.0
+    namespace: str | None = None
+
+    def __post_init__(self) -> None:
+        self.endpoints()
+        if self.protocol not in ("tcp", "rdma"):
+            raise TierConfigError(f"remote protocol={self.protocol!r}: use 'tcp' or 'rdma'.")
+        for knob, lo in (("segment_gib", 0.0), ("buffer_mib", 1), ("deadline_s", 1e-3),
+                         ("retry_s", 0.0)):
+            v = getattr(self, knob)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo:
+                raise TierConfigError(f"remote {knob}={v!r}: must be a number >= {lo}.")
+        if self.namespace is not None and (not isinstance(self.namespace, str) or
+                                           not self.namespace or "/" in self.namespace):
+            raise TierConfigError(f"remote namespace={self.namespace!r}: a non-empty name "
+                                  "without '/', or None.")
+
+    def endpoints(self) -> dict[str, tuple[str, int]]:
+        """``{"master": (host, port), "metadata": (host, port)}``, checked."""
+        return {"master": _address(self.master, "master"),
+                "metadata": _address(self.metadata, "metadata", url=True)}
 
 
 @dataclass(frozen=True)
@@ -38,8 +101,10 @@ class TierSpec:
 
     Attributes:
         kind: ``"hbm"`` (device pool), ``"ddr"`` (host pool, pinned on CUDA), ``"cxl"`` (host
-            pool with its own bandwidth profile, on ``numa_node`` where the machine has one) or
-            ``"disk"`` (a segment file under ``path``: :mod:`tierattn.storage.segment`).
+            pool with its own bandwidth profile, on ``numa_node`` where the machine has one),
+            ``"disk"`` (a segment file under ``path``: :mod:`tierattn.storage.segment`) or
+            ``"remote"`` (a Mooncake Store at ``remote``, below disk:
+            :class:`tierattn.storage.remote.RemoteTier`).
         capacity_pages: pages per layer this tier may hold; None sizes it from the config
             (``hbm``: the hot budget of every sequence plus headroom; host tiers: the rest of
             ``max_context``). Disk capacity is counted in pages as well.
@@ -48,6 +113,7 @@ class TierSpec:
         path: directory of the disk tier.
         numa_node: NUMA node of a CXL tier (Linux only; elsewhere it is a plain host pool); a
             tuple gives one node per local rank (``LOCAL_RANK``) of a tensor-parallel job.
+        remote: where the store of a remote tier is (:class:`RemoteConfig`).
     """
 
     kind: str
@@ -55,6 +121,7 @@ class TierSpec:
     path: str | None = None
     numa_node: int | tuple[int, ...] | None = None
     capacity_gib: float | None = None
+    remote: RemoteConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in TIER_KINDS:
@@ -76,6 +143,13 @@ class TierSpec:
                 f"capacity_gib={self.capacity_gib}; give one of them.")
         if self.kind == "disk" and not self.path:
             raise TierConfigError("tiers: a disk tier needs path='DIR' (the page files' folder).")
+        if self.kind == "remote" and not isinstance(self.remote, RemoteConfig):
+            raise TierConfigError(
+                f"tiers: a remote tier needs remote=RemoteConfig(master='HOST:PORT', "
+                f"metadata='http://HOST:PORT/metadata'), got remote={self.remote!r}.")
+        if self.kind != "remote" and self.remote is not None:
+            raise TierConfigError(f"tiers: remote= is for a remote tier, not {self.kind!r}; "
+                                  "give it to TierSpec('remote', remote=...).")
         if self.path is not None and not isinstance(self.path, (str, os.PathLike)):
             raise TierConfigError(f"tiers: path={self.path!r} must be a folder name.")
         nodes = self.numa_node if isinstance(self.numa_node, tuple) else (self.numa_node,)
@@ -458,69 +532,6 @@ SwapPolicy = Literal["auto", "swap", "recompute"]
 SWAP_TIER_KINDS = ("ddr", "cxl", "disk")
 
 
-def _address(value: object, knob: str, *, url: bool = False) -> tuple[str, int]:
-    """``(host, port)`` of ``value``, ``HOST:PORT`` (``url``: ``SCHEME://HOST:PORT/...``), or
-    the error naming ``knob``."""
-    text = str(value) if isinstance(value, str) else ""
-    body = text.split("://", 1)[1] if url and "://" in text else text
-    host, _, port = body.split("/", 1)[0].rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536 or (url and "://" not in text):
-        example = "'http://127.0.0.1:8080/metadata'" if url else "'127.0.0.1:50051'"
-        raise TierConfigError(f"remote {knob}={value!r}: give {example}.")
-    return host, int(port)
-
-
-@dataclass(frozen=True)
-class RemoteConfig:
-    """Where the Mooncake Store is and how long to wait for it.
-
-    Attributes:
-        master: the master's RPC address, ``"HOST:PORT"`` (``mooncake_master --rpc_port``).
-        metadata: the metadata server's URL, ``"http://HOST:PORT/metadata"`` (the master's own
-            with ``--enable_http_metadata_server=true``).
-        local_host: the address other clients reach this one at (loopback on one machine).
-        protocol: ``"tcp"``, or ``"rdma"`` on a cluster with RDMA NICs (``device`` names them).
-        segment_gib: memory this client lends the pool (objects of every instance may live in
-            it; 0 lends none: this client only reads and writes others' memory).
-        buffer_mib: this client's transfer buffer; a value larger than it cannot be moved.
-        deadline_s: the longest one call may take before the store is taken for down.
-        retry_s: how long a store taken for down is skipped before it is asked again.
-        namespace: the first part of every key: instances share blocks when they use the same
-            one (None: the engine's fingerprint of the model -- its name, dtype, block and layer
-            geometry, tensor-parallel rank -- so only instances serving the same model do).
-    """
-
-    master: str
-    metadata: str
-    local_host: str = "127.0.0.1"
-    protocol: str = "tcp"
-    device: str = ""
-    segment_gib: float = 1.0
-    buffer_mib: int = 256
-    deadline_s: float = 2.0
-    retry_s: float = 5.0
-    namespace: str | None = None
-
-    def __post_init__(self) -> None:
-        self.endpoints()
-        if self.protocol not in ("tcp", "rdma"):
-            raise TierConfigError(f"remote protocol={self.protocol!r}: use 'tcp' or 'rdma'.")
-        for knob, lo in (("segment_gib", 0.0), ("buffer_mib", 1), ("deadline_s", 1e-3),
-                         ("retry_s", 0.0)):
-            v = getattr(self, knob)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo:
-                raise TierConfigError(f"remote {knob}={v!r}: must be a number >= {lo}.")
-        if self.namespace is not None and (not isinstance(self.namespace, str) or
-                                           not self.namespace or "/" in self.namespace):
-            raise TierConfigError(f"remote namespace={self.namespace!r}: a non-empty name "
-                                  "without '/', or None.")
-
-    def endpoints(self) -> dict[str, tuple[str, int]]:
-        """``{"master": (host, port), "metadata": (host, port)}``, checked."""
-        return {"master": _address(self.master, "master"),
-                "metadata": _address(self.metadata, "metadata", url=True)}
-
-
 @dataclass(frozen=True)
 class SwapConfig:
     """Where preempted sequences' KV goes, and when.
@@ -542,9 +553,12 @@ class SwapConfig:
         probe_slots: slots per calibration probe (probes of 1 and of this many slots, three
             times each).
         backend: the page-copy kernel's backend (``"auto"``, ``"triton"``, ``"torch"``).
-        remote: a Mooncake Store below the tiers (:class:`RemoteConfig`; vLLM's connector):
-            every stored block is also put there under its content key, and a lookup the tiers
-            miss asks the store, so an engine instance loads what another one stored.
+        remote: a Mooncake Store below the tiers (:class:`RemoteConfig`). In vLLM's
+            connector every stored block is also put there under its content key, and a lookup
+            the tiers miss asks the store, so an engine instance loads what another one stored.
+            In transformers' continuous batching (which has no lookup across instances) it is
+            the last swap tier: a preempted request the tiers above have no room for is kept
+            there (default capacity four KV pools) instead of being recomputed.
     """
 
     tiers: tuple[TierSpec | str, ...] = ("ddr",)
@@ -558,6 +572,10 @@ class SwapConfig:
         if self.remote is not None and not isinstance(self.remote, RemoteConfig):
             raise TierConfigError(f"SwapConfig.remote: a tierattn.config.RemoteConfig or None, "
                                   f"got {type(self.remote).__name__}.")
+        if isinstance(self.tiers, (list, tuple)) and \
+                "remote" in [getattr(t, "kind", t) for t in self.tiers]:
+            raise TierConfigError("SwapConfig.tiers: a swap's remote store is not a tier of this "
+                                  "list; give SwapConfig(remote=RemoteConfig(...)).")
         object.__setattr__(self, "tiers", parse_tiers(self.tiers, knob="SwapConfig.tiers",
                                                       kinds=SWAP_TIER_KINDS))
         if self.policy not in SWAP_POLICIES:
@@ -573,3 +591,9 @@ class SwapConfig:
         if self.backend not in ("auto", "triton", "torch"):
             raise TierConfigError(f"SwapConfig.backend: {self.backend!r} is not one of "
                                   "('auto', 'triton', 'torch').")
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Where a swap may keep KV, fastest first: the tiers' kinds, then ``"remote"`` when a
+        store is given."""
+        return tuple(t.kind for t in self.tiers) + (("remote",) if self.remote else ())

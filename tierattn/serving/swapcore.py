@@ -5,7 +5,8 @@ sequence's KV in its tiers instead of dropping it, when keeping it is cheaper:
 
 * :class:`SwapStore` sees the engine's KV cache as a pool of slots ``[N, 2, T, H_kv, D]`` (an
   engine block, or an equal share of one) and a request's KV as a list of slots. ``store``
-  copies them into the first tiers with room -- DDR, CXL (pinned on CUDA), then disk -- one
+  copies them into the first tiers with room -- DDR, CXL (pinned on CUDA), disk, then the
+  Mooncake Store of ``SwapConfig.remote`` (:class:`~tierattn.storage.remote.RemoteTier`) -- one
   copy launch per tier through :class:`~tierattn.serving.swaptiers.SwapTiers` (the tiers, their
   default capacities, timing and probes, shared with vLLM's connector), all or nothing;
   ``load`` copies them back into the slots the engine allocated when the request resumes,
@@ -82,10 +83,12 @@ class SwapStore:
         self.config, self.pool, self.device = config, pool, pool.device
         #: files of a disk tier are named under this, unique to the store
         self.fingerprint = f"swap-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.swap = SwapTiers(config, [pool], fingerprint=self.fingerprint, engine=engine)
+        self.swap = SwapTiers(config, [pool], fingerprint=self.fingerprint, engine=engine,
+                              remote_tier=True)
         self.tiers, self.mover, self.watch = self.swap.tiers, self.swap.mover, self.swap.watch
         self.telemetry, self.slot_bytes = self.swap.telemetry, self.swap.slot_bytes
         self.entries: dict[str, _Entry] = {}
+        self._remote_closed: dict | None = None
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -94,6 +97,14 @@ class SwapStore:
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self.entries
+
+    def remote_stats(self) -> dict | None:
+        """The remote tier's store counters (:meth:`RemoteStore.stats
+        <tierattn.storage.remote.RemoteStore.stats>`), None without one."""
+        if self.tiers is None:  # closed: what it counted while open
+            return self._remote_closed
+        last = self.tiers[-1]
+        return last.store.stats() if last.kind == "remote" else None
 
     def free_slots(self) -> dict[str, int]:
         return {t.kind: t.num_free(0) for t in self.tiers[1:]}
@@ -203,6 +214,7 @@ class SwapStore:
         if self.swap is None:
             return
         self.clear()
+        self._remote_closed = self.remote_stats()
         self.swap.close()
         self.pool = self.swap = self.tiers = self.mover = None
 
@@ -283,7 +295,7 @@ class Swapper:
 
     def __init__(self, config: SwapConfig, costs: CostModel | None = None) -> None:
         self.config = config
-        self.costs = costs or CostModel([s.kind for s in config.tiers])
+        self.costs = costs or CostModel(config.kinds)
         self.log = SwapLog()
         self.store: SwapStore | None = None
         self.prefill_chunk: int | None = None
@@ -292,13 +304,15 @@ class Swapper:
         self._recomputing: dict[str, Decision] = {}
         #: requests swapped out, and their decision (completed when they load)
         self._swapped: dict[str, Decision] = {}
+        #: the remote tier's counters of the stores closed so far
+        self._remote: dict | None = None
 
     def attach(self, store: SwapStore, *, prefill_chunk: int | None = None) -> None:
         """Serve the engine cache behind ``store`` (the previous store's requests are
         forgotten); the first store calibrates the transfer costs. ``prefill_chunk``: most
         tokens of one request the engine prefills per forward (prices a recompute)."""
         if self.store is not None:
-            self.store.close()
+            self._retire(self.store)
         self.store, self.prefill_chunk = store, prefill_chunk
         self._swapped.clear()
         self._recomputing.clear()
@@ -317,7 +331,20 @@ class Swapper:
             self.store = None
             self._swapped.clear()
             self._recomputing.clear()
-            store.close()
+            self._retire(store)
+
+    def _retire(self, store: SwapStore) -> None:
+        """Close ``store``, keeping its remote tier's counters for :meth:`stats`."""
+        remote = store.remote_stats()
+        if remote is not None:
+            self._remote = _add_remote(self._remote, remote)
+        store.close()
+
+    def remote_stats(self) -> dict | None:
+        """The remote tier's counters over every store this swapper served (None: no remote
+        tier); ``up``: the latest store's view."""
+        now = self.store.remote_stats() if self.store is not None else None
+        return _add_remote(self._remote, now) if now is not None else self._remote
 
     # --- decisions --------------------------------------------------------------------------
 
@@ -477,8 +504,7 @@ class Swapper:
             pred, meas = sum(d.predicted_s for d in done), sum(d.measured_s for d in done)
             check[action] = {"decisions": len(done), "predicted_s": pred, "measured_s": meas,
                              "measured_over_predicted": meas / pred if pred > 0 else None}
-        kinds = self.store.kinds if self.store is not None else tuple(
-            s.kind for s in self.config.tiers)
+        kinds = self.config.kinds
         moved = log.moved
         return handle_stats(
             "swap", {k: {"stored": moved.stored_bytes.get(k, 0),
@@ -498,7 +524,19 @@ class Swapper:
             peak_reserved_bytes={k: log.peak_reserved_bytes.get(k, 0) for k in kinds},
             decisions=[d.as_dict() for d in log.decisions],
             cost_check=check,
-            cost_model=self.costs.as_dict())
+            cost_model=self.costs.as_dict(),
+            remote=self.remote_stats())
+
+
+def _add_remote(total: dict | None, more: dict) -> dict:
+    """Two :meth:`RemoteStore.stats <tierattn.storage.remote.RemoteStore.stats>` summed (the
+    error codes too); ``up`` is ``more``'s."""
+    if total is None:
+        return {**more, "codes": dict(more["codes"])}
+    out = {k: (v + more[k] if k not in ("codes", "up") else more[k]) for k, v in total.items()}
+    out["codes"] = {c: total["codes"].get(c, 0) + more["codes"].get(c, 0)
+                    for c in {*total["codes"], *more["codes"]}}
+    return out
 
 
 def _seconds(s: float | None) -> str:

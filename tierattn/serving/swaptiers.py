@@ -72,7 +72,9 @@ def swap_capacities(tiers: Sequence[TierSpec], slot_bytes: int, pool_slots: int,
     per_slot = max(1, slot_bytes * workers)
     for spec in tiers:
         cap = spec.capacity(slot_bytes)
-        if cap is None and spec.kind == "disk":
+        if cap is None and spec.kind == "remote":  # the pool's memory is the store's to refuse
+            cap = RESERVED_POOLS * pool_slots
+        elif cap is None and spec.kind == "disk":
             Path(spec.path).mkdir(parents=True, exist_ok=True)
             free = shutil.disk_usage(spec.path).free
             cap = min(RESERVED_POOLS * pool_slots, int(0.9 * free) // per_slot)
@@ -141,21 +143,28 @@ class SwapTiers:
         workers: the engine's workers (they share the host's memory).
         fingerprint: names this engine's disk files (unique to the engine and worker).
         engine: the transfer engine (default: a copy stream on CUDA, synchronous on CPU).
+        remote_tier: ``config.remote`` becomes the last tier (a
+            :class:`~tierattn.storage.remote.RemoteTier`; an engine without a lookup across
+            instances); False leaves the store to the caller (vLLM's connector).
     """
 
     def __init__(self, config: SwapConfig, pools: Sequence[torch.Tensor], *,
                  capacities: Sequence[int] | None = None, workers: int = 1,
-                 fingerprint: str, engine: TransferEngine | None = None) -> None:
+                 fingerprint: str, engine: TransferEngine | None = None,
+                 remote_tier: bool = False) -> None:
         hot = MemoryTier.over("hbm", list(pools))
         self.device = hot.device
         self.num_layers = len(pools)
         #: bytes of one slot over all layers (this worker's share)
         self.slot_bytes = hot.page_bytes * self.num_layers
+        specs = tuple(config.tiers)
+        if remote_tier and config.remote is not None:
+            specs += (TierSpec("remote", remote=config.remote),)
         if capacities is None:
-            capacities = swap_capacities(config.tiers, self.slot_bytes, hot.capacity,
+            capacities = swap_capacities(specs, self.slot_bytes, hot.capacity,
                                          workers=workers, pinned=self.device.type == "cuda")
         tiers: list[Tier] = [hot]
-        for spec, cap in zip(config.tiers, capacities):
+        for spec, cap in zip(specs, capacities):
             tiers.append(build_tier(spec, num_layers=self.num_layers, capacity=int(cap),
                                     page_shape=hot.page_shape, dtype=hot.dtype,
                                     device=self.device, fingerprint=fingerprint, grow=True))
@@ -215,7 +224,7 @@ class SwapTiers:
         t = self.tiers[tier]
         if not t.is_memory:
             for layer in range(self.num_layers):
-                t.segment().forget(layer, list(slots))
+                t.forget(layer, list(slots))
 
     def calibrate(self, observe: Timing, *, probe_slots: int, repeats: int = 3) -> None:
         """Time stores and loads of 1 and ``probe_slots`` slots into each tier (reading pool
@@ -244,6 +253,6 @@ class SwapTiers:
             self.engine.wait(t)
 
     def close(self) -> None:
-        """Delete the disk tiers' files."""
+        """Delete the disk tiers' files and the remote tier's pages."""
         for t in self.tiers:
             t.close()

@@ -13,7 +13,15 @@ of :class:`Tier` in this file and one entry in :func:`build_tier`.
   node of a CXL memory expander); elsewhere it is an ordinary host pool (a documented stand-in);
 * ``disk``: one segment file of page-aligned slots per tier under a directory
   (:mod:`tierattn.storage.segment`: batched positional I/O on a small thread pool, a checksum per
-  page in the page map, every read validated; no fsync -- a tier is a cache of the process).
+  page in the page map, every read validated; no fsync -- a tier is a cache of the process);
+* ``remote``: pages in a Mooncake Store shared by many hosts, below disk
+  (:class:`tierattn.storage.remote.RemoteTier`: hard-pinned values behind a checksum, a deadline
+  on every call; Mooncake is imported only when one is built).
+
+Tiers that are not memory (disk, remote) share one contract beyond :class:`Tier`'s: pages come
+back through host staging (``read_into``, ``read_async``), ``held`` says which page each slot
+holds and how often it was written, ``forget`` empties slots, and ``generation``, ``discard``,
+``advance`` let a saved cache be loaded beside the current pages before they go.
 """
 
 from __future__ import annotations
@@ -39,13 +47,15 @@ __all__ = ["DiskTier", "MemoryTier", "Tier", "available_memory", "build_tier", "
            "plan_memory"]
 
 #: nominal bandwidth/latency per tier kind (GB/s, microseconds), not measured here: PCIe Gen5
-#: x16 for host tiers as seen from the GPU, a CXL 2.0 x8 expander, an NVMe SSD. Nothing reads
+#: x16 for host tiers as seen from the GPU, a CXL 2.0 x8 expander, an NVMe SSD, a Mooncake
+#: Store reached over RDMA. Nothing reads
 #: it yet; modeled transfer times (the benchmark issue) start from it until a GPU run measures.
 PROFILES = {
     "hbm": {"bandwidth_gbps": 4800.0, "latency_us": 1.0},
     "ddr": {"bandwidth_gbps": 55.0, "latency_us": 5.0},
     "cxl": {"bandwidth_gbps": 30.0, "latency_us": 8.0},
     "disk": {"bandwidth_gbps": 7.0, "latency_us": 80.0},
+    "remote": {"bandwidth_gbps": 25.0, "latency_us": 20.0},  # a 200 Gb/s RDMA NIC
 }
 
 
@@ -378,9 +388,13 @@ class DiskTier(Tier):
                 f.exception()
             lst.clear()
 
-    def release(self, layer, slots):
+    def forget(self, layer: int, slots: list[int]) -> None:
+        """The slots hold nothing (released, or a failed store's): a read of them raises."""
         self._settle(layer)
-        self.segment().forget(layer, slots)  # a released slot reads as empty
+        self.segment().forget(layer, slots)
+
+    def release(self, layer, slots):
+        self.forget(layer, slots)
         super().release(layer, slots)
 
     def discard(self, generation: int) -> None:
@@ -417,6 +431,10 @@ def build_tier(spec: TierSpec, *, num_layers: int, capacity: int, page_shape: tu
                           numa_node=spec.node(), grow=grow)
     if spec.kind == "disk":
         return DiskTier(num_layers, capacity, page_shape, dtype, spec.path, fingerprint)
+    if spec.kind == "remote":
+        from tierattn.storage.remote import RemoteTier  # Mooncake only when one is configured
+
+        return RemoteTier(num_layers, capacity, page_shape, dtype, spec.remote, fingerprint)
     raise TierConfigError(f"tiers: unknown kind {spec.kind!r}")  # TierSpec already checks
 
 
@@ -446,7 +464,7 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
     if len(cfg.tiers) == 1 and holds_prompt:
         hot_max = mp  # nowhere to demote: the whole prompt stays until it is compressed
     default = {"hbm": b * min(mp, hot_max + headroom), "ddr": b * mp, "cxl": b * mp,
-               "disk": b * mp}
+               "disk": b * mp, "remote": b * mp}
     itemsize = torch.empty((), dtype=dtype).element_size()
     page_bytes = math.prod(page_shape) * itemsize
     capacities = [spec.capacity(page_bytes, num_layers) for spec in cfg.tiers]
@@ -470,7 +488,7 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
     need: dict[str, list[tuple[str, int]]] = {}
     dev = "cuda" if device.type == "cuda" else "cpu"
     for spec, cap in zip(cfg.tiers, capacities):
-        if spec.kind != "disk":
+        if spec.kind in ("hbm", "ddr", "cxl"):
             where = dev if spec.kind == "hbm" else "cpu"
             need.setdefault(where, []).append((f"{spec.kind} pool", num_layers * cap * page_bytes))
     need.setdefault(dev, []).extend([
@@ -481,7 +499,7 @@ def plan_memory(config: TierConfig, *, num_layers: int, batch_size: int,
                             cfg.key_bits)
                if cfg.key_sketch else 0)))])
     need.setdefault("cpu", []).append(("page tables", num_layers * rows * 10))
-    if any(spec.kind == "disk" for spec in cfg.tiers):  # disk pages land in host staging first
+    if any(spec.kind in ("disk", "remote") for spec in cfg.tiers):  # they land in host staging
         need["cpu"].append(("disk staging", ring * staging_pages * page_bytes))
     for where, items in need.items():
         total = sum(n for _, n in items)
