@@ -3,8 +3,8 @@ Store started here on 127.0.0.1 (a master and a ``mooncake_client`` lending the 
 memory). The first serves four conversations and stores their blocks; the second, a fresh
 process with empty tiers, finds them in the store and loads them instead of prefilling: its
 tokens equal vLLM's own without the connector, and the loads are counted. A master killed
-before the second engine asks, or values that fail their checksum, turn into recomputes with
-the same tokens and the fault counted.
+before the second engine asks or while it loads, or values that fail their checksum, turn into
+recomputes with the same tokens and the fault counted.
 
 CI runs this file in the vLLM environment (``.venv-vllm``) with Mooncake installed; it is
 skipped without either.
@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(not mooncake_importable(), reason="needs Mooncak
 
 #: one engine in a process of its own: ``mode`` plain (no connector), remote (the DDR tier over
 #: the remote store), corrupt-writer (remote, but every value it puts fails its checksum:
-#: a forced fault), kill-first (remote, the master killed once the engine is built)
+#: a forced fault), kill-first (remote, the master killed once the engine is built),
+#: kill-in-load (remote, the master killed as the first load from the store starts)
 ENGINE = textwrap.dedent("""
     import json, os, signal, sys
     from vllm_helpers import run_engine
@@ -48,6 +49,13 @@ ENGINE = textwrap.dedent("""
             store._checksum = lambda data: 0
         if mode == "kill-first":
             before = lambda: os.kill(int(pid), signal.SIGKILL)
+        if mode == "kill-in-load":  # the lookup found the blocks; the master dies under the get
+            get = store.RemoteStore.get
+
+            def killed_then_get(self, keys):
+                os.kill(int(pid), signal.SIGKILL)
+                return get(self, keys)
+            store.RemoteStore.get = killed_then_get
         run = run_engine(mode, model, config, rounds=1, before=before)
         print("RESULT" + json.dumps({"tokens": run.tokens[0], "cached": run.cached[0],
                                      "metrics": {f"{n}|{t}": v for (n, t), v
@@ -130,3 +138,16 @@ def test_a_killed_master_costs_a_recompute_not_a_token(model, reference, tmp_pat
     assert _metric(second, "loaded_slots", "remote") == 0
     assert _metric(second, "remote_faults") >= 1, second["metrics"]
     assert second["metrics"]["vllm:tierattn_remote_up|None"] == 0  # reported, and down
+
+
+def test_a_master_killed_during_a_load_costs_a_recompute_not_a_token(model, reference, tmp_path):
+    master = Master(tmp_path / "master.log", pool_mib=256)
+    try:
+        _engine(model, "remote", master, tmp_path)
+        second = _engine(model, "kill-in-load", master, tmp_path)
+    finally:
+        master.stop()
+    assert master.proc.poll() is not None  # killed by its PID, after the lookup found blocks
+    assert second["tokens"] == reference["tokens"]
+    assert _metric(second, "loaded_slots", "remote") == 0
+    assert _metric(second, "load_faults") >= 1, second["metrics"]
