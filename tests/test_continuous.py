@@ -186,7 +186,7 @@ def test_a_full_ddr_tier_spills_to_the_remote_store(models, references, store):
 @needs_mooncake
 def test_a_master_killed_during_a_load_recomputes_and_no_request_fails(models, references,
                                                                        store, monkeypatch):
-    from tierattn.storage.remote import RemoteTier
+    from tierattn.storage.tiers import RemoteTier
 
     model, want = subject(models, references)
     read = RemoteTier.read_into

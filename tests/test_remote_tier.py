@@ -1,4 +1,4 @@
-"""The remote tier (``TierSpec("remote")``, :class:`tierattn.storage.remote.RemoteTier`) against a
+"""The remote tier (``TierSpec("remote")``, :class:`tierattn.storage.tiers.RemoteTier`) against a
 real Mooncake Store started here on 127.0.0.1: pages round-trip byte-equal in any dtype and any
 rows, every read is checked (page map, length, checksum), released pages leave the store, and a
 :class:`~tierattn.runtime.cache.TieredKVCache` with the store below its host tier attends exactly
@@ -17,7 +17,8 @@ from mooncake_helpers import Master, mooncake_importable
 from tierattn.config import RemoteConfig, TierConfig, TierSpec
 from tierattn.errors import KVFileError, KVIOError, TierConfigError
 from tierattn.runtime.cache import TieredKVCache
-from tierattn.storage.remote import HEADER, RemoteStoreError, RemoteTier
+from tierattn.storage.remote import HEADER, RemoteStoreError
+from tierattn.storage.tiers import RemoteTier
 
 pytestmark = pytest.mark.skipif(
     not mooncake_importable(), reason="needs mooncake-transfer-engine-non-cuda (the [remote] "

@@ -104,7 +104,7 @@ class TierSpec:
             pool with its own bandwidth profile, on ``numa_node`` where the machine has one),
             ``"disk"`` (a segment file under ``path``: :mod:`tierattn.storage.segment`) or
             ``"remote"`` (a Mooncake Store at ``remote``, below disk:
-            :class:`tierattn.storage.remote.RemoteTier`).
+            :class:`tierattn.storage.tiers.RemoteTier`).
         capacity_pages: pages per layer this tier may hold; None sizes it from the config
             (``hbm``: the hot budget of every sequence plus headroom; host tiers: the rest of
             ``max_context``). Disk capacity is counted in pages as well.

@@ -6,7 +6,7 @@ sequence's KV in its tiers instead of dropping it, when keeping it is cheaper:
 * :class:`SwapStore` sees the engine's KV cache as a pool of slots ``[N, 2, T, H_kv, D]`` (an
   engine block, or an equal share of one) and a request's KV as a list of slots. ``store``
   copies them into the first tiers with room -- DDR, CXL (pinned on CUDA), disk, then the
-  Mooncake Store of ``SwapConfig.remote`` (:class:`~tierattn.storage.remote.RemoteTier`) -- one
+  Mooncake Store of ``SwapConfig.remote`` (:class:`~tierattn.storage.tiers.RemoteTier`) -- one
   copy launch per tier through :class:`~tierattn.serving.swaptiers.SwapTiers` (the tiers, their
   default capacities, timing and probes, shared with vLLM's connector), all or nothing;
   ``load`` copies them back into the slots the engine allocated when the request resumes,

@@ -144,7 +144,7 @@ class SwapTiers:
         fingerprint: names this engine's disk files (unique to the engine and worker).
         engine: the transfer engine (default: a copy stream on CUDA, synchronous on CPU).
         remote_tier: ``config.remote`` becomes the last tier (a
-            :class:`~tierattn.storage.remote.RemoteTier`; an engine without a lookup across
+            :class:`~tierattn.storage.tiers.RemoteTier`; an engine without a lookup across
             instances); False leaves the store to the caller (vLLM's connector).
     """
 

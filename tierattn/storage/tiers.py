@@ -14,9 +14,9 @@ of :class:`Tier` in this file and one entry in :func:`build_tier`.
 * ``disk``: one segment file of page-aligned slots per tier under a directory
   (:mod:`tierattn.storage.segment`: batched positional I/O on a small thread pool, a checksum per
   page in the page map, every read validated; no fsync -- a tier is a cache of the process);
-* ``remote``: pages in a Mooncake Store shared by many hosts, below disk
-  (:class:`tierattn.storage.remote.RemoteTier`: hard-pinned values behind a checksum, a deadline
-  on every call; Mooncake is imported only when one is built).
+* ``remote``: pages in a Mooncake Store shared by many hosts, below disk (:class:`RemoteTier`
+  over :mod:`tierattn.storage.remote`: hard-pinned values behind a checksum, a deadline on
+  every call; Mooncake is imported only when one is built).
 
 Tiers that are not memory (disk, remote) share one contract beyond :class:`Tier`'s: pages come
 back through host staging (``read_into``, ``read_async``), ``held`` says which page each slot
@@ -29,22 +29,26 @@ from __future__ import annotations
 import gc
 import math
 import os
+import uuid
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tierattn.config import TierConfig, TierSpec
-from tierattn.errors import KVCapacityError, TierConfigError
+from tierattn.config import RemoteConfig, TierConfig, TierSpec
+from tierattn.errors import KVCapacityError, KVFileError, TierConfigError
 from tierattn.kernels.sketch import sketch_bytes
+from tierattn.storage.remote import RemoteStore, RemoteStoreError  # no Mooncake import here
 from tierattn.storage.segment import Segment, pool_for, submit
 
-__all__ = ["DiskTier", "MemoryTier", "Tier", "available_memory", "build_tier", "memory_for",
-           "plan_memory"]
+__all__ = ["DiskTier", "MemoryTier", "RemoteTier", "Tier", "available_memory", "build_tier",
+           "memory_for", "plan_memory"]
 
 #: nominal bandwidth/latency per tier kind (GB/s, microseconds), not measured here: PCIe Gen5
 #: x16 for host tiers as seen from the GPU, a CXL 2.0 x8 expander, an NVMe SSD, a Mooncake
@@ -418,6 +422,228 @@ class DiskTier(Tier):
             self.pool.shutdown(wait=True)
 
 
+# --- the remote tier of a cache ---------------------------------------------------------------
+
+@dataclass
+class _Index:
+    """Where one generation of a remote tier's pages is: per ``[layer, slot]`` the first token
+    of the page it holds (-1: none) and its write count (part of the key: a rewritten slot
+    gets a new key, so no read ever meets an older value)."""
+
+    starts: np.ndarray
+    writes: np.ndarray
+
+
+@dataclass
+class _Keys:
+    """The keys a remote tier holds in the store (what its finalizer removes)."""
+
+    prefix: str
+    indices: dict[int, _Index] = field(default_factory=dict)
+    orphans: list[str] = field(default_factory=list)  # removals the store did not answer
+
+    def key(self, gen: int, layer: int, slot: int, write: int) -> str:
+        return f"{self.prefix}/g{gen}.l{layer}.s{slot}.w{write}"
+
+    def held(self, gen: int, layer: int | None = None, slots=None) -> list[str]:
+        """Keys of the pages held by generation ``gen`` (of ``layer``'s ``slots``, or all)."""
+        idx = self.indices.get(gen)
+        if idx is None:
+            return []
+        if layer is None:
+            layers, cols = np.nonzero(idx.starts >= 0)
+        else:
+            cols = np.asarray(slots, dtype=np.int64)
+            cols = cols[idx.starts[layer, cols] >= 0]
+            layers = np.full(len(cols), layer)
+        return [self.key(gen, int(ly), int(c), int(idx.writes[ly, c]))
+                for ly, c in zip(layers, cols)]
+
+
+def _drop_all(store: RemoteStore, keys: _Keys, io: ThreadPoolExecutor) -> None:
+    """Remove every page a remote tier holds, then close its client (``close`` or collection)."""
+    io.shutdown(wait=True)
+    store.remove([k for gen in list(keys.indices) for k in keys.held(gen)] + keys.orphans)
+    keys.indices.clear()
+    keys.orphans.clear()
+    store.close()
+
+
+class RemoteTier(Tier):
+    """Pages in a Mooncake Store: the tier below disk (``TierSpec("remote", remote=...)``),
+    whose capacity grows with the pool rather than with this host.
+
+    The tier holds the pages of one cache: its keys are ``tierattn/<namespace>/<owner>/
+    g<generation>.l<layer>.s<slot>.w<write>``, the owner unique to the tier (the model's
+    fingerprint, the process, a random tag). Pages are put hard-pinned -- the store never
+    evicts them: offload never drops KV -- and removed when their slot is released or the tier
+    closes (a process that dies leaves them pinned until ``remove_by_regex`` of its owner or a
+    master restart). Every read checks the page map (the slot holds the page of that first
+    token), the value's length and its checksum. Like the disk tier's, the pages come back
+    through host staging; reads run on the tier's own thread (:meth:`read_async`).
+
+    A store that does not answer within ``deadline_s`` is skipped for ``retry_s``
+    (:class:`RemoteStore`): a demotion into it is rolled back and raises
+    :class:`~tierattn.errors.KVIOError` (the cache keeps the pages where they were and retries
+    at the next step), and a read of a page there raises :class:`RemoteStoreError` -- the cache's
+    storage failed, as with a failed disk; nothing is served wrong.
+
+    Args:
+        num_layers, capacity, page_shape, dtype: the tier's geometry (``capacity`` pages per
+            layer; the store refuses puts past its own memory).
+        config: where the store is.
+        fingerprint: names the model (part of the owner).
+        store: a :class:`RemoteStore` already set up (tests); None connects one.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, page_shape: tuple[int, ...],
+                 dtype: torch.dtype, config: RemoteConfig, fingerprint: str, *,
+                 store: RemoteStore | None = None) -> None:
+        super().__init__("remote", num_layers, capacity, page_shape, dtype)
+        self.store = store if store is not None else RemoteStore(config)
+        owner = f"{fingerprint}-{os.getpid()}-{uuid.uuid4().hex[:12]}".replace("/", "_")
+        self._keys = _Keys(f"tierattn/{config.namespace or 'tier'}/{owner}")
+        #: a load writes the next generation's pages before the current one's go
+        self.generation = 0
+        self._index(0)
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierattn-remote-io")
+        #: reads in flight, per layer: a release waits for them
+        self._reading: list[list[Future]] = [[] for _ in range(num_layers)]
+        self._closer = weakref.finalize(self, _drop_all, self.store, self._keys, self._io)
+
+    def _index(self, gen: int) -> _Index:
+        idx = self._keys.indices.get(gen)
+        if idx is None:
+            shape = (self.num_layers, self.capacity)
+            idx = self._keys.indices[gen] = _Index(np.full(shape, -1, dtype=np.int64),
+                                                   np.zeros(shape, dtype=np.int64))
+        return idx
+
+    def _remove(self, keys: list[str]) -> None:
+        """Remove ``keys`` (and the removals that failed before); kept for later if the store
+        does not answer."""
+        todo = self._keys.orphans + keys
+        self._keys.orphans = [] if self.store.remove(todo) else todo
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def write(self, layer, slots, pages, token_starts, *, generation: int | None = None):
+        """Put the pages (one batch, hard-pinned); if any is refused (a full or dead store)
+        the others are removed, the slots hold nothing and :class:`RemoteStoreError` is
+        raised."""
+        if not len(slots):
+            return
+        gen = self.generation if generation is None else generation
+        idx, cols = self._index(gen), np.asarray(slots, dtype=np.int64)
+        old = self._keys.held(gen, layer, cols)
+        idx.starts[layer, cols] = -1
+        idx.writes[layer, cols] += 1  # even if the put fails: a key is never written twice
+        keys = [self._keys.key(gen, layer, int(c), int(idx.writes[layer, c])) for c in cols]
+        flat = pages.detach().to("cpu").contiguous().reshape(len(cols), -1).view(torch.uint8)
+        ok = self.store.put(keys, [flat[i].numpy() for i in range(len(cols))], pin=True)
+        if not all(ok):
+            self._remove(old + [k for k, o in zip(keys, ok) if o])
+            err = self.store.last_error
+            raise RemoteStoreError(
+                f"remote tier, layer {layer}: {ok.count(False)} of {len(ok)} pages were not "
+                f"stored ({err.code_name if err else 'refused'}); none was kept. Check the "
+                "Mooncake master, or give the pool more memory (its clients' segment_gib).",
+                err.code if err else None)
+        idx.starts[layer, cols] = token_starts
+        self._remove(old)
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def held(self, layer: int, slots) -> tuple[np.ndarray, np.ndarray]:
+        """The first token of the page each slot holds (-1: none) and the slot's write count."""
+        idx, cols = self._index(self.generation), np.asarray(slots, dtype=np.int64)
+        return idx.starts[layer, cols].copy(), idx.writes[layer, cols].copy()
+
+    def read(self, layer, slots, token_starts):
+        out = torch.empty((len(slots), *self.page_shape), dtype=self.dtype)
+        self.read_into(layer, slots, token_starts, out, list(range(len(slots))))
+        return out
+
+    def read_into(self, layer: int, slots, token_starts, out: torch.Tensor, rows) -> None:
+        """Get the pages into rows ``rows`` of ``out`` (a contiguous CPU pool), checked.
+
+        Raises:
+            KVFileError: a slot holds no page of that first token, or a value is not a page
+                of this tier (its length, or its checksum: the value is removed).
+            RemoteStoreError: the store did not answer, or lost a page.
+        """
+        if not len(slots):
+            return
+        gen, cols = self.generation, np.asarray(slots, dtype=np.int64)
+        idx = self._index(gen)
+        have, want = idx.starts[layer, cols], np.asarray(token_starts, dtype=np.int64)
+        if (have != want).any():
+            i = int(np.flatnonzero(have != want)[0])
+            raise KVFileError(f"remote tier, layer {layer}: slot {int(cols[i])} holds the page "
+                              f"of token {int(have[i])}, not of token {int(want[i])}; the page "
+                              "map and the tier disagree.")
+        keys = [self._keys.key(gen, layer, int(c), int(idx.writes[layer, c])) for c in cols]
+        corrupt, failed = self.store.counters["corrupt"], self.store.counters["get_failed"]
+        values = self.store.get(keys)
+        for i, (key, value) in enumerate(zip(keys, values)):
+            if value is None or value.nbytes != self.page_bytes:
+                if value is not None or self.store.counters["corrupt"] > corrupt:
+                    raise KVFileError(f"remote tier, layer {layer}: the value of {key} is not "
+                                      "the page written there (its length or checksum); it "
+                                      "was removed.")
+                if self.store.counters["get_failed"] > failed:
+                    raise RemoteStoreError(f"remote tier, layer {layer}: the store did not "
+                                           f"answer ({self.store.last_error}); its pages are "
+                                           "unreachable until it does.")
+                raise RemoteStoreError(f"remote tier, layer {layer}: the store lost {key} (a "
+                                       "restarted master?)", -704)
+            out[rows[i]].view(-1).view(torch.uint8).numpy()[:] = np.frombuffer(value, np.uint8)
+
+    def read_async(self, layer: int, slots, token_starts, out: torch.Tensor, rows) -> Future:
+        """:meth:`read_into` on the tier's thread; its slots are not released (nor rewritten)
+        before it finished."""
+        fut = self._io.submit(self.read_into, layer, slots, token_starts, out, rows)
+        pending = self._reading[layer]
+        pending[:] = [f for f in pending if not f.done()]
+        pending.append(fut)
+        return fut
+
+    # --- releases and generations -------------------------------------------------------------
+
+    def _settle(self, layer: int | None = None) -> None:
+        for lst in self._reading if layer is None else [self._reading[layer]]:
+            for f in lst:
+                f.exception()
+            lst.clear()
+
+    def forget(self, layer: int, slots) -> None:
+        """The slots hold nothing (a failed store's): their pages are removed."""
+        self._settle(layer)
+        cols = np.asarray(slots, dtype=np.int64)
+        self._remove(self._keys.held(self.generation, layer, cols))
+        self._index(self.generation).starts[layer, cols] = -1
+
+    def release(self, layer, slots):
+        self.forget(layer, slots)
+        super().release(layer, slots)
+
+    def discard(self, generation: int) -> None:
+        """Remove a generation's pages (a load that failed part way)."""
+        self._settle()
+        self._remove(self._keys.held(generation))
+        self._keys.indices.pop(generation, None)
+
+    def advance(self) -> None:
+        """Make the next generation current and remove the old one's pages (a load landed)."""
+        self.discard(self.generation)
+        self.generation += 1
+        self._index(self.generation)
+
+    def close(self) -> None:
+        """Remove every page this tier put and close its client (also when it is collected)."""
+        self._closer()
+
+
 def build_tier(spec: TierSpec, *, num_layers: int, capacity: int, page_shape: tuple[int, ...],
                dtype: torch.dtype, device: torch.device, fingerprint: str,
                grow: bool = False) -> Tier:
@@ -432,8 +658,6 @@ def build_tier(spec: TierSpec, *, num_layers: int, capacity: int, page_shape: tu
     if spec.kind == "disk":
         return DiskTier(num_layers, capacity, page_shape, dtype, spec.path, fingerprint)
     if spec.kind == "remote":
-        from tierattn.storage.remote import RemoteTier  # Mooncake only when one is configured
-
         return RemoteTier(num_layers, capacity, page_shape, dtype, spec.remote, fingerprint)
     raise TierConfigError(f"tiers: unknown kind {spec.kind!r}")  # TierSpec already checks
 
