@@ -491,6 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--swap-calibration", type=_existing("file"), default=None,
                        help="a calibration JSON (tierattn bench serving writes one); default: "
                             "probe the tiers at start")
+    serve.add_argument("--swap-remote-master", default=None, metavar="HOST:PORT",
+                       help="a Mooncake Store's master: preempted requests the tiers have no "
+                            "room for go there (with --swap-remote-metadata)")
+    serve.add_argument("--swap-remote-metadata", default=None, metavar="URL",
+                       help="the store's metadata server, http://HOST:PORT/metadata")
+    serve.add_argument("--swap-remote-host", default="127.0.0.1", metavar="ADDR",
+                       help="the address the store's other clients reach this one at "
+                            "(default 127.0.0.1: one machine)")
     serve.add_argument("serve_args", nargs=argparse.REMAINDER,
                        help="-- then the arguments of `transformers serve`")
     serve.set_defaults(func=_command("cmd_serve"))

@@ -316,8 +316,9 @@ def cmd_autotune(args: argparse.Namespace) -> int:
 
 
 def swap_config(args: argparse.Namespace):
-    """The SwapConfig of ``tierattn serve``'s ``--swap-*`` flags."""
-    from tierattn.config import SwapConfig, TierSpec
+    """The SwapConfig of ``tierattn serve``'s ``--swap-*`` flags (a remote store's client
+    lends the pool no memory: run a ``mooncake_client`` beside the master)."""
+    from tierattn.config import RemoteConfig, SwapConfig, TierSpec
 
     gib = args.swap_capacity_gib or ()
     if gib and len(gib) != len(args.swap_tiers):
@@ -329,8 +330,16 @@ def swap_config(args: argparse.Namespace):
     tiers = [TierSpec(kind, path=args.swap_disk if kind == "disk" else None,
                       capacity_gib=gib[i] if gib else None)
              for i, kind in enumerate(args.swap_tiers)]
+    remote = None
+    if (args.swap_remote_master is None) != (args.swap_remote_metadata is None):
+        raise UsageError("--swap-remote-master and --swap-remote-metadata go together: give "
+                         "both (the store's master and its metadata server) or neither")
+    if args.swap_remote_master is not None:
+        remote = RemoteConfig(master=args.swap_remote_master,
+                              metadata=args.swap_remote_metadata,
+                              local_host=args.swap_remote_host, segment_gib=0.0)
     return SwapConfig(tiers=tuple(tiers), policy=args.swap_policy,
-                      calibration=args.swap_calibration)
+                      calibration=args.swap_calibration, remote=remote)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -64,6 +64,9 @@ CASES = [
     (["serve", "--swap-policy", "always", "--", "m"], "--swap-policy"),
     (["serve", "--swap-calibration", "/nonexistent.json", "--", "m"], "--swap-calibration"),
     (["serve", "--swap-tiers", "disk,ddr", "--swap-disk", "d", "--", "m"], "SwapConfig.tiers"),
+    (["serve", "--swap-remote-master", "127.0.0.1:50051", "--", "m"], "--swap-remote-metadata"),
+    (["serve", "--swap-remote-master", "localhost", "--swap-remote-metadata",
+      "http://127.0.0.1:8080/metadata", "--", "m"], "remote master"),
     (["autotune", "--kernel", "bogus"], "--kernel"),
     (["autotune", "--kernel", "decode", "--seconds", "0"], "--seconds"),
 ]
@@ -128,3 +131,19 @@ def test_every_subcommand_has_its_own_help(argv, capsys):
         main([*argv, "--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and out.startswith(f"usage: tierattn {' '.join(argv)}"), out[:200]
+
+
+def test_serve_flags_make_the_swap_config_remote_store_included():
+    from tierattn.eval.cli import build_parser
+    from tierattn.eval.commands import swap_config
+
+    args = build_parser().parse_args([
+        "serve", "--swap-tiers", "ddr", "--swap-capacity-gib", "2", "--swap-policy", "swap",
+        "--swap-remote-master", "10.0.0.5:50051", "--swap-remote-metadata",
+        "http://10.0.0.5:8080/metadata", "--swap-remote-host", "10.0.0.7", "--", "m"])
+    config = swap_config(args)
+    assert config.kinds == ("ddr", "remote") and config.policy == "swap"
+    assert config.tiers[0].capacity_gib == 2
+    assert (config.remote.master, config.remote.local_host, config.remote.segment_gib) == \
+        ("10.0.0.5:50051", "10.0.0.7", 0.0)
+    assert swap_config(build_parser().parse_args(["serve", "--", "m"])).remote is None
