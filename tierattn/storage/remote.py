@@ -66,6 +66,9 @@ UNREACHABLE = {-900, -901, -103, -1010}
 #: a put of a key that exists stores nothing new -- content keys: the same bytes are there
 ALREADY_THERE = {-705, -706}
 
+#: a pinned put of values smaller than this on average goes as one framed batch
+PARTS_MIN_BYTES = 1 << 20
+
 MAGIC, VERSION = b"TAKV", 1
 HEADER = struct.Struct("<4sB3xQQ")  # magic, version, (pad), payload bytes, XXH3-64 of payload
 
@@ -232,7 +235,11 @@ class RemoteStore:
         views = [memoryview(p).cast("B") for p in payloads]
         try:
             extra = {"config": self._pinned()} if pin else {}
-            if hasattr(self._client, "put_parts"):  # header and payload sent as two parts
+            # a value sent as its header and payload in two parts is never copied, but each
+            # key is a round trip to the master: small pinned values (pages of a tier, whose
+            # keys are new by construction) go framed, in one batch
+            small = pin and sum(v.nbytes for v in views) < PARTS_MIN_BYTES * len(views)
+            if hasattr(self._client, "put_parts") and not small:
                 codes = self._call("put", self._put_parts, list(keys), views, extra)
             else:  # a client without it: the framed values, one batch
                 code = self._call("put", lambda k, v: self._client.put_batch(k, v, **extra),

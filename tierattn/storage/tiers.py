@@ -541,8 +541,8 @@ class RemoteTier(Tier):
         keys = [self._keys.key(gen, layer, int(c), int(idx.writes[layer, c])) for c in cols]
         flat = pages.detach().to("cpu").contiguous().reshape(len(cols), -1).view(torch.uint8)
         ok = self.store.put(keys, [flat[i].numpy() for i in range(len(cols))], pin=True)
-        if not all(ok):
-            self._remove(old + [k for k, o in zip(keys, ok) if o])
+        if not all(ok):  # (a failed batch may have stored some: every key goes)
+            self._remove(old + keys)
             err = self.store.last_error
             raise RemoteStoreError(
                 f"remote tier, layer {layer}: {ok.count(False)} of {len(ok)} pages were not "
@@ -583,15 +583,23 @@ class RemoteTier(Tier):
                               f"of token {int(have[i])}, not of token {int(want[i])}; the page "
                               "map and the tier disagree.")
         keys = [self._keys.key(gen, layer, int(c), int(idx.writes[layer, c])) for c in cols]
-        corrupt, failed = self.store.counters["corrupt"], self.store.counters["get_failed"]
+        corrupt = self.store.counters["corrupt"]
         values = self.store.get(keys)
+        missing = [i for i, v in enumerate(values) if v is None]
+        if missing and self.store.counters["corrupt"] == corrupt and self.store.up:
+            # Mooncake answers a get whose transfer failed with an empty value, as it does a
+            # missing key: the keys it still holds are asked once more
+            there = self.store.contains([keys[i] for i in missing])
+            again = [i for i, held in zip(missing, there) if held]
+            for i, value in zip(again, self.store.get([keys[i] for i in again])):
+                values[i] = value
         for i, (key, value) in enumerate(zip(keys, values)):
             if value is None or value.nbytes != self.page_bytes:
                 if value is not None or self.store.counters["corrupt"] > corrupt:
                     raise KVFileError(f"remote tier, layer {layer}: the value of {key} is not "
                                       "the page written there (its length or checksum); it "
                                       "was removed.")
-                if self.store.counters["get_failed"] > failed:
+                if not self.store.up:
                     raise RemoteStoreError(f"remote tier, layer {layer}: the store did not "
                                            f"answer ({self.store.last_error}); its pages are "
                                            "unreachable until it does.")
