@@ -255,3 +255,13 @@ def test_a_saved_cache_loads_its_remote_pages_beside_the_old_ones(master, tmp_pa
             want = torch.stack([shadow.k[layer][b], shadow.v[layer][b]]).permute(2, 0, 1, 3)
             assert torch.equal(kv, want)
     cache.close()
+
+
+def test_the_tier_bandwidth_cell_moves_and_checks_its_pages(master):
+    from tierattn.eval.bench.remote import tier_bandwidth
+
+    res = tier_bandwidth(master, page_shape=(2, 16, HKV, D), dtype="bfloat16", pages=64,
+                         repeats=2)
+    assert res["bytes"] == 64 * 2 * 16 * HKV * D * 2
+    assert all(res[k] > 0 for k in ("tier_write_GBps", "raw_put_GBps", "tier_read_GBps",
+                                    "raw_get_GBps", "write_ratio", "read_ratio"))
