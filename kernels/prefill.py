@@ -502,42 +502,74 @@ def _paged_prefill_torch(q, kv_pool, page_table, qo_indptr, *, scale, causal, sl
     return out, lse, mass
 
 
+#: torch's fused CPU attention that also returns the LSE (None where this torch lacks it)
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _prefill_shape(qs, kv_pool, page_table, first_lane, out, lse, mass, mass_lse, *, seqs,
                    q_start, e_start, count, n_tok, t, rows_q, causal, window, cap, group):
     """:func:`_paged_prefill_torch` for ``S`` sequences of one shape: ``count`` pages holding
-    ``n_tok`` tokens, ``t`` queries each (the last ``t`` positions), ``rows_q`` at a time."""
+    ``n_tok`` tokens, ``t`` queries each (the last ``t`` positions), ``rows_q`` at a time.
+
+    On the CPU, for the output and LSE alone (no page mass, no softcap), each block is one call
+    of torch's fused flash attention (``_scaled_dot_product_flash_attention_for_cpu``: blocked,
+    vectorised, no score tensor) with the masks as an additive bias; a KV head's group of
+    query heads goes as ``G x rows`` query rows of that head, so K and V are not repeated."""
     page_size, hkv, d = kv_pool.shape[2], kv_pool.shape[3], kv_pool.shape[4]
     dev, neg, n_seq = qs.device, float("-inf"), seqs.numel()
+    fused = _CPU_FLASH is not None and dev.type == "cpu" and out is not None and \
+        mass is None and mass_lse is None and not cap
     n_pad = count * page_size
     entries = e_start[:, None] + torch.arange(count, device=dev)  # [S, count]
     kv = kv_pool[page_table.indices[entries].long()].float()  # [S, count, 2, P, H_kv, D]
-    keys = kv[:, :, 0].permute(0, 3, 4, 1, 2).reshape(n_seq, hkv, d, n_pad)  # [S, H_kv, D, N]
-    values = kv[:, :, 1].permute(0, 3, 1, 2, 4).reshape(n_seq, hkv, n_pad, d)  # [S, H_kv, N, D]
     pos_k = torch.arange(n_pad, device=dev)
     keep = (pos_k < n_tok).expand(n_seq, n_pad)  # [S, N]
     if first_lane is not None:  # left padding: lanes before first_lane[e] are masked
         first = first_lane[entries].long().repeat_interleave(page_size, dim=1)
         keep = keep & (pos_k % page_size >= first)
+    values = kv[:, :, 1].permute(0, 3, 1, 2, 4).reshape(n_seq, hkv, n_pad, d)  # [S, H_kv, N, D]
     values = torch.where(keep[:, None, :, None], values, 0.0)  # masked lanes may be garbage
+    if fused:  # [S, H_kv, N, D], masked lanes zeroed too: a bias of -inf does not mask a NaN
+        keys = kv[:, :, 0].permute(0, 3, 1, 2, 4).reshape(n_seq, hkv, n_pad, d)
+        keys = torch.where(keep[:, None, :, None], keys, 0.0)
+    else:  # [S, H_kv, D, N]: the matmul's right operand
+        keys = kv[:, :, 0].permute(0, 3, 4, 1, 2).reshape(n_seq, hkv, d, n_pad)
     for i0 in range(0, t, rows_q):
         rows = min(t, i0 + rows_q) - i0
         first_q = n_tok - t + i0
         pos_q = torch.arange(first_q, first_q + rows, device=dev)
-        # causal: the block sees no page past its last query's
+        # causal: the block sees no page past its last query's (the fused call takes whole,
+        # contiguous K and V -- a slice of them sends it down a path several times slower --
+        # and the bias masks the rest)
         hi = min(n_pad, -(-(first_q + rows) // page_size) * page_size) if causal else n_pad
+        if fused and hi > 0:
+            hi = n_pad
         if hi <= 0:  # more queries than keys (unvalidated input): these rows see nothing
             continue
         q_rows = q_start[:, None] + i0 + torch.arange(rows, device=dev)  # [S, rows]
         qb = qs[q_rows].view(n_seq, rows, hkv, group, d).permute(0, 2, 3, 1, 4)
-        s = torch.matmul(qb.reshape(n_seq, hkv, group * rows, d), keys[..., :hi])
-        s = s.view(n_seq, hkv, group, rows, hi)
-        if cap:
-            s = s.div_(cap).tanh_().mul_(cap)
         visible = keep[:, None, :hi]  # [S, 1 | rows, N']
         if causal:
             visible = visible & (pos_k[None, None, :hi] <= pos_q[None, :, None])
         if window is not None:
             visible = visible & (pos_q[None, :, None] - pos_k[None, None, :hi] < window)
+        if fused:
+            vis = visible.expand(n_seq, rows, hi)
+            bias = torch.zeros((n_seq, 1, group, rows, hi), device=dev).masked_fill_(
+                ~vis[:, None, None], neg).view(n_seq, 1, group * rows, hi)
+            o, row_lse = _CPU_FLASH(qb.reshape(n_seq, hkv, group * rows, d), keys, values,
+                                    0.0, False, attn_mask=bias, scale=1.0)[:2]
+            # a row that sees no key: out 0 (as torch gives) and LSE -inf (torch gives 0)
+            seen = vis.any(-1)[:, None, None, :].expand(n_seq, hkv, group, rows)
+            row_lse = row_lse.view(n_seq, hkv, group, rows).masked_fill(~seen, neg)
+            out[q_rows] = o.view(n_seq, hkv, group, rows, d).permute(0, 3, 1, 2, 4).reshape(
+                n_seq, rows, hkv * group, d)
+            lse[q_rows] = row_lse.permute(0, 3, 1, 2).reshape(n_seq, rows, hkv * group)
+            continue
+        s = torch.matmul(qb.reshape(n_seq, hkv, group * rows, d), keys[..., :hi])
+        s = s.view(n_seq, hkv, group, rows, hi)
+        if cap:
+            s = s.div_(cap).tanh_().mul_(cap)
         s.masked_fill_(~visible[:, None, None], neg)
         if mass_lse is not None:  # normalised by the given LSE: exp(s - lse)
             norm = mass_lse[q_rows].float().view(n_seq, rows, hkv, group).permute(0, 2, 3, 1)
