@@ -265,3 +265,16 @@ def test_the_tier_bandwidth_cell_moves_and_checks_its_pages(master):
     assert res["bytes"] == 64 * 2 * 16 * HKV * D * 2
     assert all(res[k] > 0 for k in ("tier_write_GBps", "raw_put_GBps", "tier_read_GBps",
                                     "raw_get_GBps", "write_ratio", "read_ratio"))
+
+
+def test_a_write_larger_than_one_mooncake_batch_goes_in_batches(master, seed):
+    from tierattn.storage.remote import BATCH_KEYS
+
+    n = 2 * BATCH_KEYS + 5  # Mooncake's TCP transfer fails one batch of 4,096 values
+    t = tier(master, capacity=n)
+    data = torch.randn(n, *t.page_shape, generator=torch.Generator().manual_seed(seed))
+    slots = t.alloc(0, n)
+    t.write(0, slots, data, [4 * s for s in slots])
+    assert torch.equal(t.read(0, slots, [4 * s for s in slots]), data)
+    assert t.store.stats()["put"] == n and t.store.stats()["get"] == n
+    t.close()

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierattn.config import RemoteConfig
+from tierattn.storage.remote import BATCH_KEYS
 
 __all__ = ["LocalMooncake", "RemoteBenchSpec", "free_port", "mooncake_importable",
            "remote_summary", "run_remote_bench"]
@@ -427,7 +428,8 @@ def run_remote_bench(spec: RemoteBenchSpec = RemoteBenchSpec(), *,
         # a TieredKVCache's pages of this model: 16 tokens, one layer's K and V
         page = (2, 16, *_kv_heads_dim(model))
         tier = tier_bandwidth(store, page_shape=page, dtype="float32",
-                              pages=max(1, (spec.bandwidth_mib << 20) // (4 * math.prod(page))),
+                              pages=min(BATCH_KEYS, max(1, (spec.bandwidth_mib << 20) //
+                                                        (4 * math.prod(page)))),
                               repeats=spec.bandwidth_repeats)
     result = _summarise(spec, runs, bandwidth, tier, vllm.__version__)
     result["out"] = str(out)
