@@ -180,6 +180,7 @@ def test_a_full_ddr_tier_spills_to_the_remote_store(models, references, store):
     assert st["bytes"]["ddr"]["stored"] > 0 and st["held_bytes"]["remote"] == 0
     assert st["remote"]["put"] > 0 and st["remote"]["get"] > 0 and st["remote"]["up"]
     assert st["faults"] == {"store": 0, "load": 0}
+    assert store.key_count() == 0  # nothing of the engine is left in the store
 
 
 @engine

@@ -166,8 +166,9 @@ def test_exact_offload_over_the_remote_tier_equals_the_full_cache(master, seed):
     held = remote._keys.held(remote.generation)
     assert held and all(remote.store.contains(held))
     store = remote.store
+    assert master.key_count() == len(held)  # one object per page, nothing else
     cache.close()
-    assert store.stats()["up"] and not any(_alive(master, held))
+    assert store.stats()["up"] and not any(_alive(master, held)) and master.key_count() == 0
 
 
 def _alive(master, keys):
@@ -278,3 +279,29 @@ def test_a_write_larger_than_one_mooncake_batch_goes_in_batches(master, seed):
     assert torch.equal(t.read(0, slots, [4 * s for s in slots]), data)
     assert t.store.stats()["put"] == n and t.store.stats()["get"] == n
     t.close()
+
+
+def test_swap_tiers_release_every_layers_remote_pages(master):
+    """A swap counts its slots on layer 0 and copies every layer into them: giving them back
+    (or probing the tier) removes every layer's pages from the store."""
+    from tierattn.config import SwapConfig
+    from tierattn.serving.swaptiers import SwapTiers
+
+    pools = [torch.randn(6, 2, 4, HKV, D) for _ in range(3)]  # 3 layers of 6 engine blocks
+    config = SwapConfig(tiers=("ddr",), remote=master.config(segment_gib=0.0))
+    swap = SwapTiers(config, pools, fingerprint="t", remote_tier=True, capacities=[2, 8])
+    assert swap.kinds == ("ddr", "remote")
+    t = 2
+    slots = swap.tiers[t].alloc(0, 3)
+    swap.copy(0, torch.tensor([1, 2, 3]), torch.tensor([0, 4, 8]), t, torch.tensor(slots),
+              lambda *a: None)
+    assert master.key_count() == 3 * 3
+    back = torch.zeros(3, 2, 4, HKV, D)
+    swap.copy(t, torch.tensor(slots), torch.tensor([0, 4, 8]), back, torch.arange(3),
+              lambda *a: None)
+    assert torch.equal(back, pools[2][1:4])  # the last layer's blocks came back
+    swap.release(t, slots)
+    assert master.key_count() == 0 and swap.tiers[t].num_free(0) == 8
+    swap.calibrate(lambda *a: None, probe_slots=2, repeats=1)
+    assert master.key_count() == 0
+    swap.close()

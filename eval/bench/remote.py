@@ -120,6 +120,16 @@ class LocalMooncake:
         return RemoteConfig(master=f"127.0.0.1:{self.rpc}",
                             metadata=f"http://127.0.0.1:{self.http}/metadata", **kw)
 
+    def key_count(self) -> int:
+        """Objects the store holds now (the master's ``master_key_count`` metric)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("master_key_count "):
+                    return int(float(line.split()[1]))
+        raise RuntimeError("the master reports no master_key_count metric")
+
     def stop(self) -> None:
         for proc in (self.pool, self.proc):
             if proc is not None and proc.poll() is None:

@@ -164,7 +164,12 @@ class SwapStore:
                 self.swap.wait(self.swap.copy(HOT, src[pos], pos * self.pool.shape[2], t,
                                               torch.tensor(dst), done))
 
-        self.mover.atomic(0, [(t, dst) for t, dst, _ in parts], copies)
+        try:
+            self.mover.atomic(0, [(t, dst) for t, dst, _ in parts], copies)
+        except BaseException:  # (atomic gave layer 0's slots back; the other layers' pages go)
+            for t, dst, _ in parts:
+                self.swap.forget(t, dst)
+            raise
         self.entries[request_id] = _Entry(parts, len(slots))
         return [(self.tiers[t].kind, len(dst) * self.slot_bytes) for t, dst, _ in parts]
 
@@ -220,7 +225,7 @@ class SwapStore:
 
     def _release(self, entry: _Entry) -> None:
         for t, slots, _ in entry.parts:
-            self.tiers[t].release(0, slots)
+            self.swap.release(t, slots)
 
     def calibrate(self, costs: CostModel, *, probe_slots: int, repeats: int = 3) -> None:
         """Feed ``costs`` probes of each tier (:meth:`SwapTiers.calibrate`)."""

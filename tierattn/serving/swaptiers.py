@@ -220,11 +220,18 @@ class SwapTiers:
         return tickets
 
     def forget(self, tier: int, slots: Sequence[int]) -> None:
-        """A failed store's ``slots`` of ``tier``: no disk page of them reads as valid."""
+        """A failed store's ``slots`` of ``tier``, in every layer: no disk page of them reads
+        as valid, no remote page of them stays in the store."""
         t = self.tiers[tier]
         if not t.is_memory:
             for layer in range(self.num_layers):
                 t.forget(layer, list(slots))
+
+    def release(self, tier: int, slots: Sequence[int]) -> None:
+        """Give ``slots`` of ``tier`` back (a swap counts its slots on layer 0 and copies every
+        layer into them): the pages of every layer are forgotten first."""
+        self.forget(tier, slots)
+        self.tiers[tier].release(0, list(slots))
 
     def calibrate(self, observe: Timing, *, probe_slots: int, repeats: int = 3) -> None:
         """Time stores and loads of 1 and ``probe_slots`` slots into each tier (reading pool
@@ -244,7 +251,7 @@ class SwapTiers:
                         self.wait(self.copy(HOT, pos, pos, t, dst, observe))
                         self.wait(self.copy(t, dst, pos, scratch, pos, observe))
                     finally:
-                        self.tiers[t].release(0, dst.tolist())
+                        self.release(t, dst.tolist())
         self.watch.poll(wait=True)
         self.telemetry.reset()  # probes are not swaps
 
