@@ -4,7 +4,8 @@ Both serving adapters -- transformers' continuous batching
 (:class:`tierattn.serving.swapcore.SwapStore`) and vLLM's offloading connector
 (``tierattn.models.vllm``) -- see the engine's KV cache as slots ``[N, 2, T, H_kv, D]`` per layer
 (an engine block, or an equal share of one) and keep
-copies of slots in DDR, CXL (pinned on CUDA) and disk tiers. This module is what they share:
+copies of slots in DDR, CXL (pinned on CUDA) and disk tiers, and for transformers' engine in
+the Mooncake Store of ``SwapConfig.remote`` below them. This module is what they share:
 
 * :func:`swap_capacities`, the one default capacity rule. A DDR or CXL tier may hold up to
   :data:`HOST_SHARE` of the host's physical memory (over all workers of the engine), and grows
@@ -12,7 +13,8 @@ copies of slots in DDR, CXL (pinned on CUDA) and disk tiers. This module is what
   reserved up front, and a tier that cannot grow because the host has no memory left refuses
   the store, which the engine turns into a recompute. Tiers that must be reserved when they
   are built -- pinned memory on CUDA -- and disk tiers default to :data:`RESERVED_POOLS` times
-  the engine's KV pool (a disk tier at most 90% of its folder's free space).
+  the engine's KV pool (a disk tier at most 90% of its folder's free space), and so does the
+  remote store's tier (its pool's memory is the store's to refuse).
 * :class:`SwapTiers`: the tiers, the :class:`~tierattn.storage.mover.Mover` over them, one timed
   batched copy of slots across every layer (:meth:`SwapTiers.copy`), and calibration probes that
   feed the :class:`~tierattn.serving.costmodel.CostModel`.

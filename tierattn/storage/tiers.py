@@ -294,6 +294,27 @@ def _first_touch_on(numa_node: int | None):
         os.sched_setaffinity(0, before)
 
 
+class _ReadsInFlight:
+    """Reads running on a tier's I/O threads, per layer: a release (after which a slot may be
+    rewritten) waits for them first. Their errors are for their own waiters."""
+
+    def __init__(self, num_layers: int) -> None:
+        self._by_layer: list[list[Future]] = [[] for _ in range(num_layers)]
+
+    def add(self, layer: int, fut: Future) -> Future:
+        pending = self._by_layer[layer]
+        pending[:] = [f for f in pending if not f.done()]
+        pending.append(fut)
+        return fut
+
+    def settle(self, layer: int | None = None) -> None:
+        """Wait for the reads of ``layer`` (None: every layer)."""
+        for lst in self._by_layer if layer is None else [self._by_layer[layer]]:
+            for f in lst:
+                f.exception()
+            lst.clear()
+
+
 class DiskTier(Tier):
     """Pages in a segment file under ``directory`` (:mod:`tierattn.storage.segment`): one file per
     generation of the tier, whatever the number of pages, each page an aligned slot.
@@ -325,9 +346,7 @@ class DiskTier(Tier):
         #: a load writes the next generation's segment before the current one is dropped
         self.generation = 0
         self._segments: dict[int, Segment] = {}
-        #: reads in flight on the pool, per layer: a release waits for them (its slot may be
-        #: rewritten right after)
-        self._reading: list[list[Future]] = [[] for _ in range(num_layers)]
+        self._reads = _ReadsInFlight(num_layers)
         self.segment(0)  # opened now: a folder that cannot hold it fails at construction
 
     def segment(self, generation: int | None = None) -> Segment:
@@ -372,11 +391,8 @@ class DiskTier(Tier):
         """:meth:`read_into` on the I/O pool (inline without one); its slots are not released
         (nor rewritten) before it finished."""
         seg = self.segment()
-        fut = submit(self.pool, lambda: seg.read_into(layer, slots, token_starts, out, rows))
-        pending = self._reading[layer]
-        pending[:] = [f for f in pending if not f.done()]
-        pending.append(fut)
-        return fut
+        return self._reads.add(layer, submit(
+            self.pool, lambda: seg.read_into(layer, slots, token_starts, out, rows)))
 
     def held(self, layer: int, slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """The first token of the page each slot holds (-1: none) and the slot's write count
@@ -384,17 +400,9 @@ class DiskTier(Tier):
         seg, idx = self.segment(), np.asarray(slots, dtype=np.int64)
         return seg.starts[layer, idx].copy(), seg.writes[layer, idx].copy()
 
-    def _settle(self, layer: int | None = None) -> None:
-        """Wait for the reads in flight (of ``layer``, or all); their errors are for their
-        waiters."""
-        for lst in self._reading if layer is None else [self._reading[layer]]:
-            for f in lst:
-                f.exception()
-            lst.clear()
-
     def forget(self, layer: int, slots: list[int]) -> None:
         """The slots hold nothing (released, or a failed store's): a read of them raises."""
-        self._settle(layer)
+        self._reads.settle(layer)
         self.segment().forget(layer, slots)
 
     def release(self, layer, slots):
@@ -403,7 +411,7 @@ class DiskTier(Tier):
 
     def discard(self, generation: int) -> None:
         """Drop a generation's segment (a load that failed part way)."""
-        self._settle()
+        self._reads.settle()
         seg = self._segments.pop(generation, None)
         if seg is not None:
             seg.close()
@@ -507,8 +515,7 @@ class RemoteTier(Tier):
         self.generation = 0
         self._index(0)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierattn-remote-io")
-        #: reads in flight, per layer: a release waits for them
-        self._reading: list[list[Future]] = [[] for _ in range(num_layers)]
+        self._reads = _ReadsInFlight(num_layers)
         self._closer = weakref.finalize(self, _drop_all, self.store, self._keys, self._io)
 
     def _index(self, gen: int) -> _Index:
@@ -610,23 +617,14 @@ class RemoteTier(Tier):
     def read_async(self, layer: int, slots, token_starts, out: torch.Tensor, rows) -> Future:
         """:meth:`read_into` on the tier's thread; its slots are not released (nor rewritten)
         before it finished."""
-        fut = self._io.submit(self.read_into, layer, slots, token_starts, out, rows)
-        pending = self._reading[layer]
-        pending[:] = [f for f in pending if not f.done()]
-        pending.append(fut)
-        return fut
+        return self._reads.add(layer, self._io.submit(self.read_into, layer, slots,
+                                                      token_starts, out, rows))
 
     # --- releases and generations -------------------------------------------------------------
 
-    def _settle(self, layer: int | None = None) -> None:
-        for lst in self._reading if layer is None else [self._reading[layer]]:
-            for f in lst:
-                f.exception()
-            lst.clear()
-
     def forget(self, layer: int, slots) -> None:
         """The slots hold nothing (a failed store's): their pages are removed."""
-        self._settle(layer)
+        self._reads.settle(layer)
         cols = np.asarray(slots, dtype=np.int64)
         self._remove(self._keys.held(self.generation, layer, cols))
         self._index(self.generation).starts[layer, cols] = -1
@@ -637,7 +635,7 @@ class RemoteTier(Tier):
 
     def discard(self, generation: int) -> None:
         """Remove a generation's pages (a load that failed part way)."""
-        self._settle()
+        self._reads.settle()
         self._remove(self._keys.held(generation))
         self._keys.indices.pop(generation, None)
 
