@@ -39,8 +39,10 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d,p", [(6, 2, 32, 8), (9, 3, 64, 16), (4, 1, 24, 5),
-                                        (16, 1, 16, 1), (8, 8, 48, 3), (8, 2, 128, 32)],
-                         ids=["gqa3-d32", "smollm2", "d24", "g16-p1", "mha-d48", "d128-p32"])
+                                        (16, 1, 16, 1), (8, 8, 48, 3), (8, 2, 128, 32),
+                                        (10, 2, 80, 16), (16, 2, 96, 16), (2, 2, 16, 16)],
+                         ids=["gqa3-d32", "smollm2", "d24", "g16-p1", "mha-d48", "d128-p32",
+                              "g5-d80", "g8-d96", "mha-d16"])
 def test_host_kernel_equals_the_fp64_reference(dtype, hq, hkv, d, p, seed):
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randn(64, 2, p, hkv, d, generator=gen).to(dtype)
@@ -63,6 +65,22 @@ def test_host_kernel_equals_the_fp64_reference(dtype, hq, hkv, d, p, seed):
             ref.lse)].abs().max()))
         assert rel_err(lse_buf, ref_lse) < 1e-5  # untouched rows stay 7
         assert torch.equal(res.out[1], torch.zeros(hq, d))  # the empty row: (0, -inf)
+
+
+@pytest.mark.parametrize("d", [64, 80])
+def test_host_kernel_fp32_query_on_a_bf16_pool(d, seed):
+    """A bf16 query is scored by bf16 pair products where the CPU has them (vdpbf16ps); an fp32
+    query on the same bf16 pool keeps its full precision (the keys widened instead): both
+    within a few ulp of fp64, and the two differ by the query's rounding only."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(48, 2, 16, 2, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(3, 8, d, generator=gen) * 2
+    t = table([9, 3, 14], [16, 5, 11], 48, gen)
+    for query in (q, q.to(torch.bfloat16)):
+        res = host_decode(query, pool, t, threads=2)
+        ref = sparse_decode_reference(query.double(), pool.double(), t)
+        assert rel_err(res.out, ref.out) < 2e-6
+        assert rel_err(res.lse, ref.lse) < 2e-6 * (1 + float(ref.lse.abs().max()))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

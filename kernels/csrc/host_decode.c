@@ -2,11 +2,17 @@
  *
  * host_decode_{f32,bf16,f16}: one query token per sequence over the pages a CSR page table
  * lists in a pool [S, 2, P, H_kv, D] (K then V of a page, every KV head). Tasks are (sequence,
- * split of its pages), run by OpenMP threads; a task reads each of its pages once, scores the
- * query heads of every GQA group against it and folds it into an online softmax per query
- * head; the splits' partial states are merged at the end. The vector code uses GCC's generic
- * vectors of 16 floats (AVX-512, AVX2 or NEON alike); head dims that are not a multiple of 16
- * take scalar loops. The body is written once (host_decode_body.h), instantiated per dtype.
+ * split of its pages), run by OpenMP threads; a task reads each of its pages once and folds it
+ * into an online softmax per query head; the splits' partial states are merged at the end.
+ * The arithmetic is what bounds it (a decode query spends G multiply-adds, G query heads per KV
+ * head, on each KV element it reads), so the inner loops are register tiles that load each
+ * element once per tile: scores for 4 keys x up to 4 query heads of a group, values for up to 4
+ * heads x 64 elements of the head dim; a bf16 query on a bf16 pool is scored with bf16 pair
+ * products (vdpbf16ps) where the CPU has them. The next page (at a random slot: the hardware
+ * prefetchers stop at page boundaries) is fetched into L2 a few lines per tile. The vector code
+ * uses GCC's generic vectors of 16 floats (AVX-512, AVX2 or NEON alike); head dims that are not
+ * a multiple of 16 and pages not a multiple of 16 tokens take simpler loops. The body is
+ * written once (host_decode_body.h), instantiated per dtype.
  */
 #include <math.h>
 #include <stdint.h>
@@ -103,6 +109,43 @@ static inline vf hsum16(vf *x) {
                __builtin_shuffle(v[2 * i], v[2 * i + 1], l3b);
     return __builtin_shuffle(w[0], w[1], l4a) + __builtin_shuffle(w[0], w[1], l4b);
 }
+
+#ifndef PF_LOCALITY
+#define PF_LOCALITY 2  /* software prefetches of the next page go to L2 (prefetcht1) */
+#endif
+/* bf16 scores by vdpbf16ps (AVX512-BF16): 32 products of bf16 pairs summed into 16 fp32 lanes in
+   one instruction, half the multiply-adds of widening the keys -- used when the query itself is
+   bf16 (every fp32 query element's low 16 bits zero), so each product is exact as before */
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+static inline __attribute__((always_inline)) void qk4_dp(
+        int gn, const uint16_t *restrict qh, const float *restrict qg,
+        const uint16_t *restrict kr, int64_t tok, int D, float *restrict x) {
+    __m512 a[V];
+    for (int i = 0; i < V; i++) a[i] = _mm512_setzero_ps();
+    int d = 0;
+    for (; d + 2 * V <= D; d += 2 * V) {
+        __m512bh k[4];
+        for (int t = 0; t < 4; t++) k[t] = (__m512bh)_mm512_loadu_si512(kr + t * tok + d);
+        for (int g = 0; g < gn; g++) {
+            __m512bh qv = (__m512bh)_mm512_loadu_si512(qh + g * D + d);
+            for (int t = 0; t < 4; t++) a[4 * g + t] = _mm512_dpbf16_ps(a[4 * g + t], qv, k[t]);
+        }
+    }
+    vf b[V];
+    memcpy(b, a, sizeof b);
+    if (d < D)  /* a tail of 16: widened */
+        for (int g = 0; g < gn; g++) {
+            vf qv = load_f32(qg + g * D + d);
+            for (int t = 0; t < 4; t++) b[4 * g + t] += qv * load_bf16(kr + t * tok + d);
+        }
+    store_f32(x, hsum16(b));
+}
+#else
+#define HAVE_DPBF16 0
+#endif
+enum { DP_f32 = 0, DP_f16 = 0, DP_bf16 = HAVE_DPBF16 };  /* which pools may take qk4_dp */
 
 #define MAXG 8  /* query heads of a group scored per pass over a key (vector registers) */
 

@@ -3,6 +3,7 @@
 #define CAT(a, b) CAT_(a, b)
 #define LOAD CAT(load_, NAME)
 #define ONE CAT(one_, NAME)
+#define DP CAT(DP_, NAME)
 
 /* One key row against gn query heads (gn a constant where inlined, so the accumulators live in
    registers): x[g] = q_g . k. */
@@ -17,25 +18,37 @@ static inline __attribute__((always_inline)) void CAT(qk_, NAME)(
     for (int g = 0; g < gn; g++) x[g] = hsum(a[g]);
 }
 
-/* Scores of 16 tokens (key rows kr + t * tok) against one query head, as one vector. */
-static inline __attribute__((always_inline)) vf CAT(qk16_, NAME)(
-        const float *restrict qg, const T *restrict kr, int64_t tok, int D) {
-    vf x[V];
-    for (int t = 0; t < V; t++) {
-        vf a = (vf){0};
-        for (int d = 0; d < D; d += V) a += load_f32(qg + d) * LOAD(kr + t * tok + d);
-        x[t] = a;
+/* Scores of 4 tokens (key rows kr + t * tok) against gn <= 4 query heads: 4 gn dot products
+   held in registers, each key vector loaded (and widened) once and each query vector once per
+   4 tokens -- 8 loads per 16 multiply-adds where one token against one head takes 2 per 1.
+   Writes x[4 g + t] (gn a constant where inlined). */
+static inline __attribute__((always_inline)) void CAT(qk4_, NAME)(
+        int gn, const float *restrict qg, const T *restrict kr, int64_t tok, int D,
+        float *restrict x) {
+    vf a[V];
+    for (int i = 0; i < V; i++) a[i] = (vf){0};
+    for (int d = 0; d < D; d += V) {
+        vf k0 = LOAD(kr + d), k1 = LOAD(kr + tok + d), k2 = LOAD(kr + 2 * tok + d),
+           k3 = LOAD(kr + 3 * tok + d);
+        for (int g = 0; g < gn; g++) {
+            vf qv = load_f32(qg + g * D + d);
+            a[4 * g] += qv * k0;
+            a[4 * g + 1] += qv * k1;
+            a[4 * g + 2] += qv * k2;
+            a[4 * g + 3] += qv * k3;
+        }
     }
-    return hsum16(x);
+    store_f32(x, hsum16(a));
 }
 
-/* acc[g] += sum_t w[g][t] v_t over the page's tokens, gn heads at once, two vectors of the
-   head dim per pass (the last alone when their count is odd) (gn a constant where inlined: the accumulators live in registers). */
+/* acc[g][:L] += sum_t w[g][t] v_t[:L] over the page's tokens (acc rows D apart), gn heads at
+   once, two vectors of the head dim per pass (the last alone when their count is odd); gn a
+   constant where inlined: the accumulators live in registers. */
 static inline __attribute__((always_inline)) void CAT(pv_, NAME)(
         int gn, const float *restrict w, int P, const T *restrict vh, int64_t tok, int f0, int n,
-        int D, float *restrict acc) {
+        int L, int D, float *restrict acc) {
     int d = 0;
-    for (; d + 2 * V <= D; d += 2 * V) {
+    for (; d + 2 * V <= L; d += 2 * V) {
         vf a[MAXG], b[MAXG];
         for (int g = 0; g < gn; g++) {
             a[g] = load_f32(acc + g * D + d);
@@ -54,7 +67,7 @@ static inline __attribute__((always_inline)) void CAT(pv_, NAME)(
             store_f32(acc + g * D + d + V, b[g]);
         }
     }
-    if (d < D) {  /* a head dim of an odd number of vectors: the last one alone */
+    if (d < L) {  /* a head dim of an odd number of vectors: the last one alone */
         vf a[MAXG];
         for (int g = 0; g < gn; g++) a[g] = load_f32(acc + g * D + d);
         for (int t = f0; t < n; t++) {
@@ -63,6 +76,30 @@ static inline __attribute__((always_inline)) void CAT(pv_, NAME)(
         }
         for (int g = 0; g < gn; g++) store_f32(acc + g * D + d, a[g]);
     }
+}
+
+/* acc[g] += sum_t w[g][t] v_t over the page's tokens for gn <= 4 heads, four vectors of the
+   head dim per pass: each value vector loaded (and widened) once for the gn heads, 16
+   accumulators in registers (gn a constant where inlined). */
+static inline __attribute__((always_inline)) void CAT(pv4_, NAME)(
+        int gn, const float *restrict w, int P, const T *restrict vh, int64_t tok, int f0, int n,
+        int d0, int D, float *restrict acc) {
+    vf a[4][4];
+    for (int g = 0; g < gn; g++)
+        for (int j = 0; j < 4; j++) a[g][j] = load_f32(acc + g * D + d0 + j * V);
+    for (int t = f0; t < n; t++) {
+        const T *vr = vh + t * tok + d0;
+        vf v0 = LOAD(vr), v1 = LOAD(vr + V), v2 = LOAD(vr + 2 * V), v3 = LOAD(vr + 3 * V);
+        for (int g = 0; g < gn; g++) {
+            float x = w[g * P + t];
+            a[g][0] += x * v0;
+            a[g][1] += x * v1;
+            a[g][2] += x * v2;
+            a[g][3] += x * v3;
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int j = 0; j < 4; j++) store_f32(acc + g * D + d0 + j * V, a[g][j]);
 }
 
 #define CASES(F, ...)                                                                            \
@@ -76,6 +113,13 @@ static inline __attribute__((always_inline)) void CAT(pv_, NAME)(
     case 7: F(7, __VA_ARGS__); break;                                                            \
     default: F(8, __VA_ARGS__); break;                                                           \
     }
+#define CASES4(F, ...)                                                                           \
+    switch (gn) {                                                                                \
+    case 1: F(1, __VA_ARGS__); break;                                                            \
+    case 2: F(2, __VA_ARGS__); break;                                                            \
+    case 3: F(3, __VA_ARGS__); break;                                                            \
+    default: F(4, __VA_ARGS__); break;                                                           \
+    }
 
 /* Task (b, s_i): pages [lo, hi) of sequence b. Scratch: s [Hq, P] scores, acc [Hq, D], m, l. */
 static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, const int32_t *idx,
@@ -83,7 +127,7 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
         const int32_t *first, float *page_lse, const int32_t *lse_row, int Hkv, int G, int D,
         int P, float scale, float softcap, int splits, int task, float *out_o, float *out_m,
         float *out_l, float *restrict s, float *restrict acc, float *restrict m,
-        float *restrict l) {
+        float *restrict l, uint16_t *restrict qh) {
     int s_i = task % splits, b = task / splits, Hq = Hkv * G;
     int count = row_count[b], per = (count + splits - 1) / splits;
     int lo = s_i * per, hi = lo + per < count ? lo + per : count;
@@ -91,7 +135,16 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
     memset(acc, 0, sizeof(float) * Hq * D);
     const float *qb = q + (int64_t)b * Hq * D;
     int64_t tok = (int64_t)Hkv * D, half = (int64_t)P * tok;
-    int vec = D % V == 0;
+    int vec = D % V == 0, blocked = vec && P % V == 0, dp = 0;
+    if (DP && blocked) {  /* a bf16 query (every element's low half zero) is scored by qk4_dp */
+        uint32_t low = 0, u;
+        for (int i = 0; i < Hq * D; i++) {
+            memcpy(&u, qb + i, 4);
+            low |= u & 0xffffu;
+            qh[i] = (uint16_t)(u >> 16);
+        }
+        dp = low == 0;
+    }
     for (int j = lo; j < hi; j++) {
         int e = row_start[b] + j;
         int n = j == count - 1 ? last_len[b] : P, f0 = first ? first[e] : 0;
@@ -101,27 +154,46 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
             continue;
         }
         const T *kp = pool + (int64_t)idx[e] * 2 * half, *vp = kp + half;
-        if (j + 1 < hi) {  /* the next page, at a random slot, is fetched while this one is
-                              computed: the hardware prefetchers do not cross pages */
-            const char *nx = (const char *)(pool + (int64_t)idx[e + 1] * 2 * half);
-            for (int64_t o = 0; o < 2 * half * (int64_t)sizeof(T); o += 64)
-                __builtin_prefetch(nx + o, 0, 3);
+        /* the next page, at a random slot, is fetched into L2 while this one is computed (the
+           hardware prefetchers do not cross pages): a few lines per step of the score and
+           value loops, so the fetches overlap the arithmetic instead of stalling it */
+        const char *pf = 0, *pf_end = 0;
+        int64_t pf_n = 0;
+        if (j + 1 < hi) {
+            pf = (const char *)(pool + (int64_t)idx[e + 1] * 2 * half);
+            pf_end = pf + 2 * half * (int64_t)sizeof(T);
+            int64_t steps = blocked ? (int64_t)Hkv * ((G + 3) / 4) * (P / 4 + D / (4 * V))
+                                    : 1;
+            pf_n = (2 * half * (int64_t)sizeof(T) / 64 + steps - 1) / steps;
         }
-        /* scores s[h*G + g][t]: full pages of 16k tokens 16 keys at a time, one query head at
-           a time (the keys stay in L1 across the group); else each key read once, scored by
-           its group's query heads */
-        int blocked = vec && P % V == 0;
+#define PF_STEP() do { for (int64_t c_ = 0; c_ < pf_n && pf < pf_end; c_++, pf += 64) \
+                           __builtin_prefetch(pf, 0, PF_LOCALITY); } while (0)
+        /* scores s[h*G + g][t]: full pages of 16k tokens in tiles of 4 tokens x up to 4 query
+           heads of a group (the head's keys stay in L1 across its group); else each key read
+           once, scored by its group's query heads */
         if (blocked)
-            for (int t0 = 0; t0 < P; t0 += V)
-                for (int h = 0; h < Hkv; h++)
-                    for (int g = 0; g < G; g++) {
-                        int i = h * G + g;
-                        vf x = CAT(qk16_, NAME)(qb + (int64_t)i * D, kp + t0 * tok + h * D, tok,
-                                                D) * scale;
-                        if (softcap > 0.f)
-                            for (int t = 0; t < V; t++) x[t] = softcap * tanhf(x[t] / softcap);
-                        store_f32(s + i * P + t0, x);
+            for (int h = 0; h < Hkv; h++)
+                for (int g0 = 0; g0 < G; g0 += 4) {
+                    int gn = G - g0 < 4 ? G - g0 : 4, i0 = h * G + g0;
+                    const float *qg = qb + (int64_t)i0 * D;
+                    for (int t0 = 0; t0 < P; t0 += 4) {
+                        float x[V];
+#if HAVE_DPBF16
+                        if (dp) {
+                            CASES4(qk4_dp, qh + (int64_t)i0 * D, qg,
+                                   (const uint16_t *)(kp + t0 * tok + h * D), tok, D, x)
+                        } else
+#endif
+                        CASES4(CAT(qk4_, NAME), qg, kp + t0 * tok + h * D, tok, D, x)
+                        for (int g = 0; g < gn; g++)
+                            for (int t = 0; t < 4; t++) {
+                                float y = x[4 * g + t] * scale;
+                                if (softcap > 0.f) y = softcap * tanhf(y / softcap);
+                                s[(i0 + g) * P + t0 + t] = y;
+                            }
+                        PF_STEP();
                     }
+                }
         for (int t = blocked ? n : f0; t < n; t++)
             for (int h = 0; h < Hkv; h++) {
                 const T *kr = kp + t * tok + h * D;
@@ -200,10 +272,24 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
         /* acc += p V, the group's accumulators held in registers over the page's tokens */
         for (int h = 0; h < Hkv; h++) {
             const T *vh0 = vp + h * D;
+            if (blocked) {
+                for (int g0 = 0; g0 < G; g0 += 4) {
+                    int gn = G - g0 < 4 ? G - g0 : 4, i0 = h * G + g0, d0 = 0;
+                    for (; d0 + 4 * V <= D; d0 += 4 * V) {
+                        CASES4(CAT(pv4_, NAME), s + i0 * P, P, vh0, tok, f0, n, d0, D,
+                               acc + i0 * D)
+                        PF_STEP();
+                    }
+                    if (d0 < D)  /* the head dim's last 1-3 vectors */
+                        CASES(CAT(pv_, NAME), s + i0 * P, P, vh0 + d0, tok, f0, n, D - d0, D,
+                              acc + i0 * D + d0)
+                }
+                continue;
+            }
             for (int g0 = 0; g0 < G; g0 += MAXG) {
                 int gn = G - g0 < MAXG ? G - g0 : MAXG, i0 = h * G + g0;
                 if (vec) {
-                    CASES(CAT(pv_, NAME), s + i0 * P, P, vh0, tok, f0, n, D, acc + i0 * D)
+                    CASES(CAT(pv_, NAME), s + i0 * P, P, vh0, tok, f0, n, D, D, acc + i0 * D)
                 } else {
                     for (int t = f0; t < n; t++)
                         for (int g = 0; g < gn; g++) {
@@ -213,6 +299,8 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
                 }
             }
         }
+        for (; pf < pf_end; pf += 64) __builtin_prefetch(pf, 0, PF_LOCALITY);  /* the rest */
+#undef PF_STEP
     }
     int64_t o = ((int64_t)b * splits + s_i) * Hq;
     memcpy(out_m + o, m, sizeof(float) * Hq);
@@ -229,7 +317,8 @@ int CAT(host_decode_, NAME)(const float *q, const T *pool, const int32_t *idx,
     int Hq = Hkv * G, tasks = B * splits, failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        float *buf = malloc(sizeof(float) * ((size_t)Hq * P + (size_t)Hq * D + 2 * (size_t)Hq));
+        /* scratch: scores, acc, m, l, and the query in bf16 for qk4_dp */
+        float *buf = malloc(sizeof(float) * ((size_t)Hq * P + 2 * (size_t)Hq * D + 2 * (size_t)Hq));
         if (!buf) {
             #pragma omp atomic write
             failed = 1;
@@ -240,7 +329,8 @@ int CAT(host_decode_, NAME)(const float *q, const T *pool, const int32_t *idx,
                 CAT(task_, NAME)(q, pool, idx, row_start, row_count, last_len, first, page_lse,
                                  lse_row, Hkv, G, D, P, scale, softcap, splits, t, out_o, out_m,
                                  out_l, buf, buf + Hq * P, buf + Hq * P + Hq * D,
-                                 buf + Hq * P + Hq * D + Hq);
+                                 buf + Hq * P + Hq * D + Hq,
+                                 (uint16_t *)(buf + Hq * P + Hq * D + 2 * Hq));
         free(buf);
         /* the splits merged: lse = log sum_k l_k e^{m_k}, out = sum_k acc_k e^{m_k} / sum */
         #pragma omp for
@@ -270,4 +360,5 @@ int CAT(host_decode_, NAME)(const float *q, const T *pool, const int32_t *idx,
 
 #undef LOAD
 #undef ONE
+#undef DP
 #undef CASES
