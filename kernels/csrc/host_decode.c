@@ -36,6 +36,35 @@ static inline vf load_bf16(const uint16_t *p) {  /* bf16 is the high half of an 
 static inline vf load_f16(const _Float16 *p) {
     vh x; memcpy(&x, p, sizeof x); return __builtin_convertvector(x, vf);
 }
+/* 64 elements as four fp32 vectors in "pair order": f32 and f16 in memory order; bf16 per
+   32-element block its even elements, then its odd ones -- an element pair is one 32-bit word
+   whose high half is the odd element's fp32 bits and whose low half, shifted up, the even
+   one's: two integer operations per 32 elements where widening takes a shuffle and a shift
+   per 16. Accumulators kept in pair order are put back by from_pairs. */
+static inline void load4_f32(const float *p, vf *v) {
+    for (int j = 0; j < 4; j++) v[j] = load_f32(p + j * V);
+}
+static inline void load4_f16(const _Float16 *p, vf *v) {
+    for (int j = 0; j < 4; j++) v[j] = load_f16(p + j * V);
+}
+static inline void load4_bf16(const uint16_t *p, vf *v) {
+    for (int j = 0; j < 2; j++) {
+        vu32 w, e, o;
+        memcpy(&w, p + j * 2 * V, sizeof w);
+        e = w << 16;
+        o = w & 0xffff0000u;
+        memcpy(&v[2 * j], &e, sizeof e);
+        memcpy(&v[2 * j + 1], &o, sizeof o);
+    }
+}
+enum { PAIRED_f32 = 0, PAIRED_f16 = 0, PAIRED_bf16 = 1 };
+static void from_pairs(float *x, int n) {  /* n elements (a multiple of 32) back in order */
+    float y[2 * V];
+    for (int d = 0; d < n; d += 2 * V) {
+        for (int i = 0; i < V; i++) { y[2 * i] = x[d + i]; y[2 * i + 1] = x[d + V + i]; }
+        memcpy(x + d, y, sizeof y);
+    }
+}
 static inline float one_f32(float x) { return x; }
 static inline float one_bf16(uint16_t x) {
     uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;

@@ -4,6 +4,8 @@
 #define LOAD CAT(load_, NAME)
 #define ONE CAT(one_, NAME)
 #define DP CAT(DP_, NAME)
+#define LOAD4 CAT(load4_, NAME)
+#define PAIRED CAT(PAIRED_, NAME)
 
 /* One key row against gn query heads (gn a constant where inlined, so the accumulators live in
    registers): x[g] = q_g . k. */
@@ -88,14 +90,11 @@ static inline __attribute__((always_inline)) void CAT(pv4_, NAME)(
     for (int g = 0; g < gn; g++)
         for (int j = 0; j < 4; j++) a[g][j] = load_f32(acc + g * D + d0 + j * V);
     for (int t = f0; t < n; t++) {
-        const T *vr = vh + t * tok + d0;
-        vf v0 = LOAD(vr), v1 = LOAD(vr + V), v2 = LOAD(vr + 2 * V), v3 = LOAD(vr + 3 * V);
+        vf v[4];
+        LOAD4(vh + t * tok + d0, v);
         for (int g = 0; g < gn; g++) {
             float x = w[g * P + t];
-            a[g][0] += x * v0;
-            a[g][1] += x * v1;
-            a[g][2] += x * v2;
-            a[g][3] += x * v3;
+            for (int j = 0; j < 4; j++) a[g][j] += x * v[j];
         }
     }
     for (int g = 0; g < gn; g++)
@@ -303,6 +302,8 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
 #undef PF_STEP
     }
     int64_t o = ((int64_t)b * splits + s_i) * Hq;
+    if (PAIRED && blocked)  /* pv4's 64-element chunks accumulated in pair order */
+        for (int i = 0; i < Hq; i++) from_pairs(acc + (int64_t)i * D, D - D % (4 * V));
     memcpy(out_m + o, m, sizeof(float) * Hq);
     memcpy(out_l + o, l, sizeof(float) * Hq);
     memcpy(out_o + o * D, acc, sizeof(float) * Hq * D);
@@ -361,4 +362,6 @@ int CAT(host_decode_, NAME)(const float *q, const T *pool, const int32_t *idx,
 #undef LOAD
 #undef ONE
 #undef DP
+#undef LOAD4
+#undef PAIRED
 #undef CASES
