@@ -318,9 +318,52 @@ def test_auto_recalls_a_concentrated_layer_and_attends_a_diffuse_one_exactly(see
         step(1, 96 + i)
     plan = cache.planner.as_dict()
     assert plan["modes"] == ["recall", "all"], plan
-    assert plan["concentration"][0] > 0.8 > plan["concentration"][1], plan
+    assert plan["recall_share"][0] > 0.8 > plan["recall_share"][1], plan
     st = cache.stats()["layers"]
     assert st[0]["recall_steps"] > 0 and st[1]["recall_steps"] == 0
+
+
+def test_a_probe_measures_what_the_sketchs_pick_holds_of_the_exact_mass():
+    """The share a recall would hold comes from the probe step's exact page LSEs, not from the
+    sketch's view of itself: a sketch sure of two pages that hold a sixth of the true mass
+    gives 1/6; the smallest over the live rows; a row without cold pages holds all of it."""
+    from tierattn.runtime.planner import AttendPlanner
+
+    cache = make(auto(hot_budget=0.25))
+    plan = AttendPlanner(cache.config, cache.pages, None)
+    b, n, hq, hkv = 3, 6, 4, 2
+    scores = torch.full((b, n, hkv), -math.inf)
+    scores[:, :4] = torch.tensor([0.0, -30.0, 5.0, -30.0])[:, None]  # pages 0 and 2 ranked top
+    scores[2] = -math.inf  # row 2: no cold page
+    lse_index = torch.arange(b * n, dtype=torch.int32)
+    page_lse = torch.full((b * n + 1, hq), -math.inf)
+    page_lse[b * n] = 99.0  # the trash row: never read as a page
+    true = torch.log(torch.tensor([1.0, 1.0, 0.0, 4.0]))  # pages 0 + 2 hold 1/6 of row 0's mass
+    page_lse[0:4] = true[:, None]
+    page_lse[n:n + 4] = torch.log(torch.tensor([2.0, 0.0, 2.0, 0.0]))[:, None]  # row 1: all
+    for rows, want in ((None, 1 / 6), (torch.tensor([1, 2]), 1.0)):
+        plan.estimate(0, scores, 2, page_lse, lse_index, reduce="lse", alive_rows=rows)
+        host, ticket = plan._pending[0]
+        plan.engine.wait_host(ticket)
+        assert float(host[0]) == pytest.approx(want, abs=1e-6)
+
+
+@pytest.mark.parametrize("adapt_every", [1, 3])
+def test_auto_probes_exactly_every_adapt_every_steps(adapt_every, seed):
+    """Every recall is decided by a probe: steps 1, 1 + N, ... attend exactly (here by bringing
+    every cold page: a fast link), the others recall (any share is enough); adapt_every=1
+    never recalls. Every step stays within the dense cache's reach (exact steps to 2e-5)."""
+    cfg = auto(hot_budget=0.25, link_bandwidth=1e12, host_bandwidth=1e3, adapt_mass=0.0,
+               adapt_every=adapt_every)
+    cache, shadow = make(cfg, batch=2), Shadow(L, 2, HKV, D, torch.float32)
+    steps = 10
+    run_loop(cache, shadow, prompt=45, steps=steps, hq=HQ,
+             gen=torch.Generator().manual_seed(seed), chunk=16)
+    probes = -(-steps // adapt_every)
+    for layer in cache.stats()["layers"]:
+        assert layer["recall_steps"] == steps - probes
+        assert layer["split_steps"] == 0
+    assert all(e is not None for e in cache.planner.estimates)
 
 
 def test_auto_takes_the_cheapest_way_from_the_costs():

@@ -229,10 +229,10 @@ class TierConfig:
             where they live, on the host CPU, and merges their partial state with the hot
             set's (exact; the link carries queries and partial states, not pages:
             :mod:`tierattn.runtime.hostattn`); ``"auto"`` chooses per layer, every ``adapt_every``
-            decode steps, between ``"topk"``'s recall (where the key sketch says the recalled
-            pages hold ``adapt_mass`` of the layer's cold attention) and the cheaper of
-            ``"split"`` and ``"all"`` by the cost model (``link_bandwidth``,
-            ``host_bandwidth``).
+            decode steps, between ``"topk"``'s recall (where a probe step, attended exactly,
+            measured that the pages the key sketch picks hold ``adapt_mass`` of the layer's
+            cold attention) and the cheaper of ``"split"`` and ``"all"`` by the cost model
+            (``link_bandwidth``, ``host_bandwidth``).
         recall_budget: cold pages recalled per step, as tokens (int) or a fraction (float)
             of ``recall_scope``, in whole pages (``attend="topk"`` only).
         recall_scope: what a fractional ``recall_budget`` is a fraction of: ``"sequence"``
@@ -284,10 +284,12 @@ class TierConfig:
         prefill_chunk_size: most tokens one ``append`` may add per sequence (pool headroom).
         backend: kernels' backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         seed: seed of the random eviction policy.
-        adapt_every: ``attend="auto"``: decode steps between a layer's choices (a choice reads
-            the sketch's estimate of the step before, copied to the host asynchronously).
-        adapt_mass: ``attend="auto"``: the share of a layer's estimated cold attention mass the
-            recalled pages must hold for the layer to recall rather than attend exactly.
+        adapt_every: ``attend="auto"``: decode steps between a layer's probes (steps 1, 1 + N,
+            ...: attended exactly, they measure the share a recall would hold, copied to the
+            host asynchronously and read by the next step's choice); 1: never a recall.
+        adapt_mass: ``attend="auto"``: the share of a layer's cold attention mass (exact page
+            LSEs of its last probe) the pages the key sketch picks must hold for the layer to
+            recall rather than attend exactly.
         link_bandwidth: bytes per second between a lower tier and the device, for the cost
             model of ``attend="auto"`` (None: measured on this machine when the cache is built).
         host_bandwidth: KV bytes per second the host attends (split attention), for the same

@@ -23,9 +23,10 @@ holds a partial page over its share; a cell whose must-hot pages do not fit in i
                    partial state merged with the hot set's (``attend="split"``): exact; the
                    link carries the query and the partial state
 ``adaptive``       ``topk``'s budget and key tier, each layer choosing every 16 steps between
-                   ``topk``'s recall (where the sketch says the recalled pages hold 90% of its
-                   cold mass) and the cheaper exact way, split or all, by the cost model of a
-                   modeled server (``SERVER``: PCIe and DDR rates, not this machine's)
+                   ``topk``'s recall (where its last probe -- a step attended exactly -- found
+                   that the sketch's pick holds 90% of the cold mass) and the cheaper exact
+                   way, split or all, by the cost model of a modeled server (``SERVER``: PCIe
+                   and DDR rates, not this machine's)
 ``evict-h2o``      ``hbm`` kept, the rest dropped by accumulated attention (H2O)
 ``evict-snapkv``   ``hbm`` kept, dropped once after prefill by the prompt's last queries (SnapKV)
 ``evict-snapkv-decode``  the same, re-scored by the last decode queries as the trace grows

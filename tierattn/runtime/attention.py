@@ -115,9 +115,11 @@ class Attention:
         pages' LSE into the per-page buffer); then one kernel merges them and adds the page
         mass."""
         ks, tel, q1 = self.kernels, self.telemetry.layers[layer], qd[:, :, 0]
-        want_mass = self.budgets.wants_mass()
-        page_lse = self.importance.decode_buffer(q1.shape[1]) if want_mass else None
         mode = self.mode(layer, tabs, q1) if tabs.cold_pages else "all"
+        recall, planner = self.policies.recall, self.planner
+        probe = bool(tabs.cold_pages) and planner.due(layer)  # exact, its page LSEs measured
+        want_mass = self.budgets.wants_mass() or probe
+        page_lse = self.importance.decode_buffer(q1.shape[1]) if want_mass else None
         if mode == "split":  # the query leaves before the hot-set kernel is queued
             self.host.send_query(q1)
         batches = len(self.pages.cold_batches(layer, self.tiers)) if mode == "all" else 1
@@ -133,7 +135,6 @@ class Attention:
             n += 1
 
         run(self.hbm.pool(layer), tabs.hot, self._window_lanes(layer, tabs))
-        recall, planner = self.policies.recall, self.planner
         scores = None
         if mode == "split":
             self.host.decode(layer, parts_o[n], parts_lse[n], sm_scale=common["sm_scale"],
@@ -150,10 +151,10 @@ class Attention:
                                                  recall=True, reduce=recall.reduce):
                 pass
             tel.recall_steps += bool(k)
-        if tabs.cold_pages and planner.due(layer):  # the next choice's estimate
-            if scores is None:
-                scores = self._scores(layer, q1, tabs, common)
-            planner.estimate(layer, scores, recall.budget(layer), tabs.alive_rows)
+        if probe:  # the share a recall would hold, for the next choice
+            planner.estimate(layer, self._scores(layer, q1, tabs, common), recall.budget(layer),
+                             page_lse, tabs.candidates.lse_index, reduce=recall.reduce,
+                             alive_rows=tabs.alive_rows)
         tel.kernel_launches += n
         if want_mass:  # merge and page mass in one launch
             return self.importance.merge_decode(layer, parts_o[:n], parts_lse[:n], *merged)
@@ -180,13 +181,6 @@ class Attention:
                 ) -> torch.Tensor:
         return self.policies.recall.scores(layer, q1, tabs, sm_scale=common["sm_scale"],
                                            softcap=common["softcap"])
-
-    def estimate(self, layer: int, q1: torch.Tensor, tabs: LayerTables, common: dict) -> None:
-        """Start the estimate of how concentrated ``layer`` is for query ``q1 [B, H_q, D]``
-        (the end of a prompt chunk, ``attend="auto"``): its first decode step chooses by it."""
-        if self.planner.auto and tabs.cold_pages:
-            self.planner.estimate(layer, self._scores(layer, q1, tabs, common),
-                                  self.policies.recall.budget(layer), tabs.alive_rows)
 
     def _decode_buffers(self, num_q_heads: int, parts: int) -> tuple:
         """``[parts, B, H_q, D]`` outputs, ``[parts, B, H_q]`` LSEs and the merged pair, kept

@@ -358,8 +358,6 @@ class TieredKVCache:
             res = self.attention.finish(out, lse, sinks, q.dtype, (b, hq, t, d))
         tel.attend_calls += 1
         self._after(layer, decode, qd[:, :, 0] if decode else None)
-        if not decode and self.planner.auto:  # the first decode step chooses by this estimate
-            self.attention.estimate(layer, qd[:, :, -1], self._tables(layer), common)
         tel.host_time_s += time.perf_counter() - t0
         return res
 
