@@ -101,7 +101,7 @@ SKETCH_METHODS = ("topk", "topk-max", "adaptive")
 #: by the host attention kernel, by bytes alone -- no fixed latencies: the reasoners' KV is
 #: 256 bytes per token and layer (a Llama-8B layer's is 4 KiB), so at their size a recall's
 #: and a round trip's fixed costs would decide every choice, which says nothing of a model at
-#: scale; on this 2-core machine the host itself attends at ~10 GB/s
+#: scale; on this 2-core machine the host itself attends at ~16-25 GB/s
 SERVER = {"link_bandwidth": 55e9, "host_bandwidth": 0.75 * 150e9, "link_latency": 0.0,
           "host_latency": 0.0}
 #: tokens per page of the eval (see the module docstring)

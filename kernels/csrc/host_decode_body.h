@@ -80,9 +80,10 @@ static inline __attribute__((always_inline)) void CAT(pv_, NAME)(
     }
 }
 
-/* acc[g] += sum_t w[g][t] v_t over the page's tokens for gn <= 4 heads, four vectors of the
-   head dim per pass: each value vector loaded (and widened) once for the gn heads, 16
-   accumulators in registers (gn a constant where inlined). */
+/* acc[g] += sum_t w[g][t] v_t over the page's tokens for gn <= 4 heads, four vectors (64
+   elements) of the head dim per pass, in pair order (load4: bf16's even elements, then odd,
+   per 32): each value vector loaded once for the gn heads, 16 accumulators in registers (gn a
+   constant where inlined). */
 static inline __attribute__((always_inline)) void CAT(pv4_, NAME)(
         int gn, const float *restrict w, int P, const T *restrict vh, int64_t tok, int f0, int n,
         int d0, int D, float *restrict acc) {
@@ -154,8 +155,11 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
         }
         const T *kp = pool + (int64_t)idx[e] * 2 * half, *vp = kp + half;
         /* the next page, at a random slot, is fetched into L2 while this one is computed (the
-           hardware prefetchers do not cross pages): a few lines per step of the score and
-           value loops, so the fetches overlap the arithmetic instead of stalling it */
+           hardware prefetchers do not cross pages): a few lines per tile of the score and
+           value loops, so the fetches overlap the arithmetic instead of stalling it. The
+           untiled loops (pages or head dims not a multiple of 16) fetch it after the page:
+           they are bound by their arithmetic (8-token pages at 32K: the same rate with the
+           fetch before the page, ab_build.txt) */
         const char *pf = 0, *pf_end = 0;
         int64_t pf_n = 0;
         if (j + 1 < hi) {
@@ -318,8 +322,10 @@ int CAT(host_decode_, NAME)(const float *q, const T *pool, const int32_t *idx,
     int Hq = Hkv * G, tasks = B * splits, failed = 0;
     #pragma omp parallel num_threads(threads)
     {
-        /* scratch: scores, acc, m, l, and the query in bf16 for qk4_dp */
-        float *buf = malloc(sizeof(float) * ((size_t)Hq * P + 2 * (size_t)Hq * D + 2 * (size_t)Hq));
+        /* scratch: scores, acc, m, l, and the query in bf16 for qk4_dp (Hq * D halves) */
+        size_t floats = (size_t)Hq * P + (size_t)Hq * D + 2 * (size_t)Hq +
+                        ((size_t)Hq * D + 1) / 2;
+        float *buf = malloc(sizeof(float) * floats);
         if (!buf) {
             #pragma omp atomic write
             failed = 1;

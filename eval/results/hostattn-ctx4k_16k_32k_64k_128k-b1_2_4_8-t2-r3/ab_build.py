@@ -1,7 +1,7 @@
 """A/B of host-kernel builds: each built from its own source folder, measured cell by cell in
 turn on the same pool, table and flushed caches (``measure_cell`` of ``tierattn bench host``).
 
-    python ab_build.py NAME=DIR[:EXTRA_CFLAGS],... CONTEXTS BATCHES GEOMETRIES [DTYPES]
+    python ab_build.py NAME=DIR[:EXTRA_CFLAGS],... CONTEXTS BATCHES GEOMETRIES [DTYPES [PAGE]]
     e.g. python ab_build.py old=/tmp/old,new=kernels/csrc 16384,65536 1,4 llama-8b bf16,fp32
 
 A folder holds ``host_decode.c`` and ``host_decode_body.h``; an older build's, for example:
@@ -45,16 +45,18 @@ def main(argv: list[str]) -> None:
     batches = [int(x) for x in argv[2].split(",")]
     geometries = argv[3].split(",")
     dtypes = argv[4].split(",") if len(argv) > 4 else ["fp32", "bf16"]
+    page = int(argv[5]) if len(argv) > 5 else 16  # tokens per page
     flush = _Flush(2)
     gen = torch.Generator().manual_seed(0)
     for geo in GEOMETRIES:
         if geo.name not in geometries:
             continue
         for dn in dtypes:
-            pool = fill_pool(max(batches) * max(contexts) // 16 + 64, geo, DTYPES[dn], 16, gen)
+            pool = fill_pool(max(batches) * max(contexts) // page + 64, geo, DTYPES[dn], page,
+                             gen)
             for c in contexts:
                 for b in batches:
-                    line = f"{geo.name:13s} {dn} {c // 1024:4d}k b{b}:"
+                    line = f"{geo.name:13s} {dn} {c // 1024:4d}k b{b} p{page}:"
                     for name, lib in libs.items():
                         host._lib = lib  # host_decode / host_read call this build
                         r = measure_cell(pool, geo, dn, c, b, reps=5, threads=2, flush=flush,
