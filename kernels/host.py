@@ -40,11 +40,14 @@ from ._common import check_out, check_sm_scale, check_softcap
 from .decode import DecodeOutput, _check_decode_inputs, sparse_decode_reference
 from .page_table import PageTable
 
-__all__ = ["host_decode", "host_decode_available", "host_read", "host_threads"]
+__all__ = ["host_decode", "host_decode_available", "host_read", "host_threads",
+           "vllm_cpu_pages"]
 
 _SOURCES = ("host_decode.c", "host_decode_body.h")
 _FLAGS = ("-O3", "-fPIC", "-shared", "-fno-math-errno")
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+#: page layouts the kernel reads (its ``layout`` argument)
+_LAYOUTS = {"pages": 0, "vllm_cpu": 1}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None  # None: not tried yet; False: no compiled kernel here
 
@@ -113,7 +116,8 @@ def _build() -> ctypes.CDLL | None:
             for suffix in _SUFFIX.values():
                 fn = getattr(lib, f"host_decode_{suffix}")
                 fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 5 + \
+                fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 7 + \
+                    [ctypes.c_int] * 5 + \
                     [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 5
             lib.host_read.restype = ctypes.c_uint32
             lib.host_read.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64] + \
@@ -172,14 +176,23 @@ def host_decode(
     lse: torch.Tensor | None = None,
     threads: int | None = None,
     validate: bool = True,
+    cold_pool: torch.Tensor | None = None,
+    layout: str = "pages",
 ) -> DecodeOutput:
     """Decode attention of one query token per sequence over pages of a host pool, on the CPU.
 
     Args:
         q: ``[B, H_q, D]`` query (post-RoPE) on the CPU, the pool's dtype or fp32.
-        kv_pool: ``[num_slots, 2, page_size, H_kv, D]`` contiguous host pool (fp32/bf16/fp16).
+        kv_pool: contiguous host pool (fp32/bf16/fp16) in ``layout``: ``"pages"``, tierattn's
+            ``[num_slots, 2, page_size, H_kv, D]``; ``"vllm_cpu"``, vLLM's CPU KV cache
+            ``[num_blocks, H_kv, page_size, 2 * D]`` (per block and KV head the keys
+            transposed, ``[D, page_size]``, then the values, ``[page_size, D]``), read in
+            place.
         page_table: one row per sequence, on the CPU; only a row's last entry may be partly
-            filled.
+            filled. With ``cold_pool`` an entry ``e < 0`` names page ``~e`` of ``cold_pool``.
+        cold_pool: optional second pool of the same layout, page shape and dtype (a hot set's
+            pages in one pool and its cold pages in another, attended in one softmax).
+        layout: how both pools lay a page out (above).
         sm_scale, softcap: as :func:`~tierattn.kernels.sparse_decode`.
         first_lane: optional ``[nnz]`` int32: tokens of entry ``e`` before this lane are masked.
         page_lse, page_lse_index: optional ``[N, H_q]`` fp32 CPU buffer and ``[nnz]`` int32
@@ -192,7 +205,31 @@ def host_decode(
         :class:`~tierattn.kernels.DecodeOutput` with ``out`` and ``lse`` (fp32; ``(0, -inf)``
         for an empty row) and ``page_lse`` (the buffer given).
     """
-    for name, t in (("q", q), ("kv_pool", kv_pool)):
+    if layout not in _LAYOUTS:
+        raise KernelInputError(f"layout must be one of {sorted(_LAYOUTS)}, got {layout!r}.")
+    pools = (("kv_pool", kv_pool),) if cold_pool is None else \
+        (("kv_pool", kv_pool), ("cold_pool", cold_pool))
+    for name, t in pools:
+        if layout == "vllm_cpu" and (not isinstance(t, torch.Tensor) or t.dim() != 4 or
+                                     t.shape[-1] % 2):
+            raise KernelInputError(
+                f"{name} must be a [num_blocks, H_kv, page_size, 2 * D] tensor for "
+                f"layout='vllm_cpu' (vLLM's CPU KV cache), got "
+                f"{list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}.")
+    if cold_pool is not None and (cold_pool.shape[1:] != kv_pool.shape[1:] or
+                                  cold_pool.dtype != kv_pool.dtype):
+        raise KernelInputError(
+            f"cold_pool {list(cold_pool.shape)} {cold_pool.dtype} must have kv_pool's page "
+            f"shape {list(kv_pool.shape[1:])} and dtype {kv_pool.dtype}.")
+    blocks = None
+    if layout == "vllm_cpu":  # the shared checks read a pool's shape as tierattn's pages
+        blocks = kv_pool
+        n, hkv_, p_, d2 = kv_pool.shape
+        kv_pool = kv_pool.as_strided((n, 2, p_, hkv_, d2 // 2),
+                                     (hkv_ * p_ * d2, hkv_ * p_ * d2 // 2, hkv_ * d2 // 2,
+                                      d2 // 2, 1))
+    for name, t in (("q", q), ("kv_pool", blocks if blocks is not None else kv_pool),
+                    ("cold_pool", cold_pool)):
         if isinstance(t, torch.Tensor) and t.device.type != "cpu":
             raise KernelInputError(
                 f"{name} is on {t.device}: host attention reads host memory; pass CPU tensors "
@@ -208,8 +245,10 @@ def host_decode(
         raise KernelInputError(
             f"page_table has {page_table.num_rows} rows; host_decode takes one row per "
             f"sequence ({batch}).")
-    if not kv_pool.is_contiguous():
-        raise KernelInputError("kv_pool must be contiguous (a tier's pool is).")
+    for name, t in (("kv_pool", blocks if blocks is not None else kv_pool),
+                    ("cold_pool", cold_pool)):
+        if t is not None and not t.is_contiguous():
+            raise KernelInputError(f"{name} must be contiguous (a tier's pool is).")
     if (page_lse is None) != (page_lse_index is None):
         raise KernelInputError("page_lse and page_lse_index go together: pass both or neither.")
     scale = check_sm_scale(sm_scale, d)
@@ -220,10 +259,12 @@ def host_decode(
         raise KernelInputError("page_table must be on the CPU for host attention.")
     nnz = page_table.indices.numel()
     if validate and nnz:
-        bad = (page_table.indices < 0) | (page_table.indices >= kv_pool.shape[0])
+        low = -cold_pool.shape[0] if cold_pool is not None else 0
+        bad = (page_table.indices < low) | (page_table.indices >= kv_pool.shape[0])
         if bool(bad.any()):
             raise KernelInputError(
-                f"page_table.indices holds slots outside the pool [0, {kv_pool.shape[0]}).")
+                f"page_table.indices holds slots outside the pool [{low}, {kv_pool.shape[0]})"
+                + (" (e < 0: page ~e of cold_pool)." if cold_pool is not None else "."))
     for name, t, n in (("first_lane", first_lane, nnz), ("page_lse_index", page_lse_index, nnz)):
         if t is not None and (t.numel() != n or t.dtype != torch.int32 or
                               t.device.type != "cpu" or not t.is_contiguous()):
@@ -237,6 +278,9 @@ def host_decode(
     threads = host_threads(threads)
     lib = _load()
     if lib is None:
+        if blocks is not None or cold_pool is not None:  # the reference reads one pool of pages
+            kv_pool, page_table = _as_pages(blocks if blocks is not None else kv_pool, cold_pool,
+                                            page_table, layout)
         ref = sparse_decode_reference(q.float(), kv_pool.float(), page_table, sm_scale=scale,
                                       softcap=cap or None, first_lane=first_lane,
                                       page_lse=page_lse, page_lse_index=page_lse_index)
@@ -250,13 +294,40 @@ def host_decode(
     m_part = parts[batch * splits * hq * d:batch * splits * hq * (d + 1)]
     l_part = parts[batch * splits * hq * (d + 1):]
     fn = getattr(lib, f"host_decode_{_SUFFIX[kv_pool.dtype]}")
-    failed = fn(_ptr(qf), _ptr(kv_pool), *(_ptr(t) for t in table), _ptr(first_lane),
+    pool = blocks if blocks is not None else kv_pool
+    failed = fn(_ptr(qf), _ptr(pool), _ptr(cold_pool), _LAYOUTS[layout],
+                *(_ptr(t) for t in table), _ptr(first_lane),
                 _ptr(page_lse), _ptr(page_lse_index), batch, hkv, group, d, page_size, scale,
                 cap or 0.0, splits, threads, _ptr(o_part), _ptr(m_part), _ptr(l_part),
                 _ptr(out), _ptr(lse))
     if failed:
         raise MemoryError("host_decode: a worker thread could not allocate its scratch memory.")
     return DecodeOutput(out=out, lse=lse, page_mass=None, page_lse=page_lse)
+
+
+def vllm_cpu_pages(blocks: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU KV-cache blocks ``[N, H_kv, P, 2 * D]`` as tierattn pages ``[N, 2, P, H_kv,
+    D]`` (a copy): per block and KV head vLLM keeps the keys transposed, ``[D, P]``, then the
+    values, ``[P, D]``."""
+    n, h, p, d2 = blocks.shape
+    d = d2 // 2
+    b = blocks.reshape(n, h, 2, p * d)
+    k = b[:, :, 0].reshape(n, h, d, p).permute(0, 3, 1, 2)
+    v = b[:, :, 1].reshape(n, h, p, d).permute(0, 2, 1, 3)
+    return torch.stack((k, v), dim=1)
+
+
+def _as_pages(pool: torch.Tensor, cold_pool: torch.Tensor | None, page_table: PageTable,
+              layout: str) -> tuple[torch.Tensor, PageTable]:
+    """One pool of tierattn pages and its table for the reference path: the cold pool's pages
+    after the pool's, entries ``~e`` moved there."""
+    pages = (lambda t: vllm_cpu_pages(t)) if layout == "vllm_cpu" else (lambda t: t)
+    if cold_pool is None:
+        return pages(pool), page_table
+    idx = page_table.indices
+    moved = torch.where(idx < 0, pool.shape[0] + ~idx, idx).to(torch.int32)
+    return torch.cat((pages(pool), pages(cold_pool))), PageTable(
+        moved, page_table.row_start, page_table.row_count, page_table.last_page_len)
 
 
 def host_read(kv_pool: torch.Tensor, page_table: PageTable, *, threads: int | None = None,

@@ -83,6 +83,65 @@ def test_host_kernel_fp32_query_on_a_bf16_pool(d, seed):
         assert rel_err(res.lse, ref.lse) < 2e-6 * (1 + float(ref.lse.abs().max()))
 
 
+def as_vllm_cpu(pages: torch.Tensor) -> torch.Tensor:
+    """tierattn pages ``[N, 2, P, H, D]`` as vLLM's CPU blocks ``[N, H, P, 2D]``: per KV head the
+    keys transposed ``[D, P]``, then the values ``[P, D]``."""
+    n, _, p, h, d = pages.shape
+    k = pages[:, 0].permute(0, 2, 3, 1).reshape(n, h, d * p)  # [N, H, D, P]
+    v = pages[:, 1].permute(0, 2, 1, 3).reshape(n, h, p * d)  # [N, H, P, D]
+    return torch.cat((k, v), dim=-1).view(n, h, p, 2 * d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d,p", [(9, 3, 64, 32), (6, 2, 32, 16), (16, 2, 64, 16),
+                                        (4, 1, 24, 5), (8, 8, 48, 48), (4, 2, 128, 64)],
+                         ids=["smollm2-p32", "gqa3-p16", "g8", "untiled", "mha-p48",
+                              "d128-p64"])
+def test_host_kernel_reads_vllm_blocks_and_a_second_pool(dtype, hq, hkv, d, p, seed):
+    """``layout="vllm_cpu"`` reads vLLM's CPU KV cache in place (keys transposed per block and
+    head) and ``cold_pool`` a second pool: entries e >= 0 from the first, ~e from the second,
+    in one softmax -- the fp64 reference over the same pages as one pool of tierattn pages."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = torch.randn(40, 2, p, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(3, hq, d, generator=gen).to(dtype)
+    t = table([6, 1, 13], [p, 1, max(1, p - 3)], 40, gen)
+    hot = t.indices < 24  # pages 0..23 in the first pool, 24..39 in the second as ~(slot - 24)
+    split = PageTable(torch.where(hot, t.indices, ~(t.indices - 24)).to(torch.int32),
+                      t.row_start, t.row_count, t.last_page_len)
+    blocks = as_vllm_cpu(pages)
+    assert torch.equal(host_mod.vllm_cpu_pages(blocks), pages)
+    first = torch.randint(0, p + 1, (t.indices.numel(),), generator=gen, dtype=torch.int32)
+    for softcap in (None, 4.0):
+        res = host_decode(q, blocks[:24].contiguous(), split, cold_pool=blocks[24:].contiguous(),
+                          layout="vllm_cpu", softcap=softcap, first_lane=first, threads=2)
+        ref = sparse_decode_reference(q.double(), pages.double(), t, softcap=softcap,
+                                      first_lane=first)
+        assert rel_err(res.out, ref.out) < 2e-6
+        assert rel_err(res.lse, ref.lse) < 2e-6 * (1 + float(ref.lse.abs().max()))
+    one = host_decode(q, blocks, t, layout="vllm_cpu", threads=1)  # one pool, no second
+    ref = sparse_decode_reference(q.double(), pages.double(), t)
+    assert rel_err(one.out, ref.out) < 2e-6
+
+
+def test_the_second_pool_and_layout_are_refused_by_name():
+    blocks = torch.randn(8, 2, 4, 32)
+    q = torch.randn(1, 4, 16)
+    t = PageTable(indices=torch.tensor([0, -9], dtype=torch.int32),
+                  row_start=torch.tensor([0], dtype=torch.int32),
+                  row_count=torch.tensor([2], dtype=torch.int32),
+                  last_page_len=torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(KernelInputError, match="outside the pool .-8, 8"):
+        host_decode(q, blocks, t, cold_pool=blocks.clone(), layout="vllm_cpu")
+    with pytest.raises(KernelInputError, match="layout must be one of"):
+        host_decode(q, blocks, t, layout="nhd")
+    with pytest.raises(KernelInputError, match="num_blocks, H_kv, page_size, 2 . D"):
+        host_decode(q, torch.randn(8, 2, 2, 4, 16), t, layout="vllm_cpu")
+    with pytest.raises(KernelInputError, match="cold_pool .* must have kv_pool's page shape"):
+        host_decode(q, blocks, t, cold_pool=torch.randn(8, 2, 8, 32), layout="vllm_cpu")
+    with pytest.raises(KernelInputError, match="outside the pool .0, 8"):  # no second pool
+        host_decode(q, blocks, t, layout="vllm_cpu")
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_host_kernel_splits_and_threads_agree(threads, seed):
     """A long row is cut into splits merged by LSE: any thread count, the same state."""
@@ -102,13 +161,20 @@ def test_the_torch_fallback_gives_the_same_state(monkeypatch, seed):
     pool = torch.randn(40, 2, 8, 2, 32, generator=gen).to(torch.bfloat16)
     q = torch.randn(2, 4, 32, generator=gen).to(torch.bfloat16)
     t = table([7, 12], [8, 3], 40, gen)
+    blocks = as_vllm_cpu(pool)  # and vLLM's blocks with a second pool: entries >= 20 there
+    split = PageTable(torch.where(t.indices < 20, t.indices, ~(t.indices - 20)).to(torch.int32),
+                      t.row_start, t.row_count, t.last_page_len)
+    two = {"cold_pool": blocks[20:].contiguous(), "layout": "vllm_cpu"}
     fast = host_decode(q, pool, t)
+    fast2 = host_decode(q, blocks[:20].contiguous(), split, **two)
     assert host_mod.host_decode_available()
     monkeypatch.setattr(host_mod, "_lib", False)
     assert not host_mod.host_decode_available()
     slow = host_decode(q, pool, t)
-    assert float((fast.out - slow.out).abs().max()) < 1e-5
-    assert float((fast.lse - slow.lse).abs().max()) < 1e-5
+    slow2 = host_decode(q, blocks[:20].contiguous(), split, **two)
+    for a, b in ((fast, slow), (fast2, slow2), (fast, fast2)):
+        assert float((a.out - b.out).abs().max()) < 1e-5
+        assert float((a.lse - b.lse).abs().max()) < 1e-5
 
 
 def test_a_missing_compiler_warns_and_falls_back(monkeypatch, tmp_path):

@@ -43,6 +43,28 @@ static inline __attribute__((always_inline)) void CAT(qk4_, NAME)(
     store_f32(x, hsum16(a));
 }
 
+/* Scores of nc * 16 tokens whose keys are stored transposed (kt[d * P + t]: vLLM's CPU block
+   layout) against gn query heads: lane t of a[g][c] is token t0 + 16 c's score, so no
+   horizontal sums; each key vector is loaded once for the gn heads and each query element once
+   per nc vectors (gn, nc constants where inlined). Writes x[g * nc * 16 + t]. */
+static inline __attribute__((always_inline)) void CAT(qkt_, NAME)(
+        int gn, const float *restrict qg, const T *restrict kt, int P, int D, int nc,
+        float *restrict x) {
+    vf a[MAXG][2];
+    for (int g = 0; g < gn; g++)
+        for (int c = 0; c < nc; c++) a[g][c] = (vf){0};
+    for (int d = 0; d < D; d++) {
+        vf k[2];
+        for (int c = 0; c < nc; c++) k[c] = LOAD(kt + (int64_t)d * P + c * V);
+        for (int g = 0; g < gn; g++) {
+            float qd = qg[g * D + d];
+            for (int c = 0; c < nc; c++) a[g][c] += qd * k[c];
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int c = 0; c < nc; c++) store_f32(x + (g * nc + c) * V, a[g][c]);
+}
+
 /* acc[g][:L] += sum_t w[g][t] v_t[:L] over the page's tokens (acc rows D apart), gn heads at
    once, two vectors of the head dim per pass (the last alone when their count is odd); gn a
    constant where inlined: the accumulators live in registers. */
@@ -122,7 +144,8 @@ static inline __attribute__((always_inline)) void CAT(pv4_, NAME)(
     }
 
 /* Task (b, s_i): pages [lo, hi) of sequence b. Scratch: s [Hq, P] scores, acc [Hq, D], m, l. */
-static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, const int32_t *idx,
+static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool,
+        const T *restrict pool2, int layout, const int32_t *idx,
         const int32_t *row_start, const int32_t *row_count, const int32_t *last_len,
         const int32_t *first, float *page_lse, const int32_t *lse_row, int Hkv, int G, int D,
         int P, float scale, float softcap, int splits, int task, float *out_o, float *out_m,
@@ -135,8 +158,15 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
     memset(acc, 0, sizeof(float) * Hq * D);
     const float *qb = q + (int64_t)b * Hq * D;
     int64_t tok = (int64_t)Hkv * D, half = (int64_t)P * tok;
-    int vec = D % V == 0, blocked = vec && P % V == 0, dp = 0;
-    if (DP && blocked) {  /* a bf16 query (every element's low half zero) is scored by qk4_dp */
+    /* where a page keeps key (t, h, d) and value (t, h, d): layout 0, tierattn's pages
+       [2, P, H_kv, D]: k = page + t tok + h D + d, v = k + half; layout 1, vLLM's CPU blocks
+       [H_kv, P, 2 D] (per KV head its keys transposed [D, P], then its values [P, D]):
+       k = page + h 2PD + d P + t, v = page + h 2PD + PD + t D + d */
+    int64_t vbase = layout ? (int64_t)P * D : half, vhead = layout ? 2 * (int64_t)P * D : D,
+            vtok = layout ? D : tok;
+    int vec = D % V == 0, blocked = vec && P % V == 0, dp = 0, nc = P % (2 * V) ? 1 : 2;
+    /* a bf16 query (every element's low half zero) on layout 0 is scored by qk4_dp */
+    if (DP && blocked && !layout) {
         uint32_t low = 0, u;
         for (int i = 0; i < Hq * D; i++) {
             memcpy(&u, qb + i, 4);
@@ -153,7 +183,9 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
             if (pl) for (int i = 0; i < Hq; i++) pl[i] = -INFINITY;
             continue;
         }
-        const T *kp = pool + (int64_t)idx[e] * 2 * half, *vp = kp + half;
+        /* an entry e >= 0 is page e of the pool, e < 0 page ~e of the second pool */
+        const T *kp = idx[e] >= 0 ? pool + (int64_t)idx[e] * 2 * half
+                                  : pool2 + (int64_t)~idx[e] * 2 * half, *vp = kp + vbase;
         /* the next page, at a random slot, is fetched into L2 while this one is computed (the
            hardware prefetchers do not cross pages): a few lines per tile of the score and
            value loops, so the fetches overlap the arithmetic instead of stalling it. The
@@ -163,7 +195,8 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
         const char *pf = 0, *pf_end = 0;
         int64_t pf_n = 0;
         if (j + 1 < hi) {
-            pf = (const char *)(pool + (int64_t)idx[e + 1] * 2 * half);
+            pf = (const char *)(idx[e + 1] >= 0 ? pool + (int64_t)idx[e + 1] * 2 * half
+                                                : pool2 + (int64_t)~idx[e + 1] * 2 * half);
             pf_end = pf + 2 * half * (int64_t)sizeof(T);
             int64_t steps = blocked ? (int64_t)Hkv * ((G + 3) / 4) * (P / 4 + D / (4 * V))
                                     : 1;
@@ -174,7 +207,29 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
         /* scores s[h*G + g][t]: full pages of 16k tokens in tiles of 4 tokens x up to 4 query
            heads of a group (the head's keys stay in L1 across its group); else each key read
            once, scored by its group's query heads */
-        if (blocked)
+        if (blocked && layout)  /* transposed keys: tiles of 16 or 32 tokens x <= 8 heads */
+            for (int h = 0; h < Hkv; h++)
+                for (int g0 = 0; g0 < G; g0 += MAXG) {
+                    int gn = G - g0 < MAXG ? G - g0 : MAXG, i0 = h * G + g0;
+                    const float *qg = qb + (int64_t)i0 * D;
+                    for (int t0 = 0; t0 < P; t0 += nc * V) {
+                        float x[MAXG * 2 * V];
+                        const T *kt = kp + h * vhead + t0;
+                        if (nc == 2) {
+                            CASES(CAT(qkt_, NAME), qg, kt, P, D, 2, x)
+                        } else {
+                            CASES(CAT(qkt_, NAME), qg, kt, P, D, 1, x)
+                        }
+                        for (int g = 0; g < gn; g++)
+                            for (int t = 0; t < nc * V; t++) {
+                                float y = x[g * nc * V + t] * scale;
+                                if (softcap > 0.f) y = softcap * tanhf(y / softcap);
+                                s[(i0 + g) * P + t0 + t] = y;
+                            }
+                        PF_STEP();
+                    }
+                }
+        else if (blocked)
             for (int h = 0; h < Hkv; h++)
                 for (int g0 = 0; g0 < G; g0 += 4) {
                     int gn = G - g0 < 4 ? G - g0 : 4, i0 = h * G + g0;
@@ -199,6 +254,18 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
                 }
         for (int t = blocked ? n : f0; t < n; t++)
             for (int h = 0; h < Hkv; h++) {
+                if (layout) {  /* transposed keys, a page not a multiple of 16 tokens */
+                    const T *kt = kp + h * vhead + t;
+                    for (int g = 0; g < G; g++) {
+                        const float *qg = qb + (int64_t)(h * G + g) * D;
+                        float y = 0.f;
+                        for (int d = 0; d < D; d++) y += qg[d] * ONE(kt[(int64_t)d * P]);
+                        y *= scale;
+                        if (softcap > 0.f) y = softcap * tanhf(y / softcap);
+                        s[(h * G + g) * P + t] = y;
+                    }
+                    continue;
+                }
                 const T *kr = kp + t * tok + h * D;
                 for (int g0 = 0; g0 < G; g0 += MAXG) {
                     int gn = G - g0 < MAXG ? G - g0 : MAXG;
@@ -274,17 +341,17 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
         }
         /* acc += p V, the group's accumulators held in registers over the page's tokens */
         for (int h = 0; h < Hkv; h++) {
-            const T *vh0 = vp + h * D;
+            const T *vh0 = vp + h * vhead;
             if (blocked) {
                 for (int g0 = 0; g0 < G; g0 += 4) {
                     int gn = G - g0 < 4 ? G - g0 : 4, i0 = h * G + g0, d0 = 0;
                     for (; d0 + 4 * V <= D; d0 += 4 * V) {
-                        CASES4(CAT(pv4_, NAME), s + i0 * P, P, vh0, tok, f0, n, d0, D,
+                        CASES4(CAT(pv4_, NAME), s + i0 * P, P, vh0, vtok, f0, n, d0, D,
                                acc + i0 * D)
                         PF_STEP();
                     }
                     if (d0 < D)  /* the head dim's last 1-3 vectors */
-                        CASES(CAT(pv_, NAME), s + i0 * P, P, vh0 + d0, tok, f0, n, D - d0, D,
+                        CASES(CAT(pv_, NAME), s + i0 * P, P, vh0 + d0, vtok, f0, n, D - d0, D,
                               acc + i0 * D + d0)
                 }
                 continue;
@@ -292,12 +359,12 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
             for (int g0 = 0; g0 < G; g0 += MAXG) {
                 int gn = G - g0 < MAXG ? G - g0 : MAXG, i0 = h * G + g0;
                 if (vec) {
-                    CASES(CAT(pv_, NAME), s + i0 * P, P, vh0, tok, f0, n, D, D, acc + i0 * D)
+                    CASES(CAT(pv_, NAME), s + i0 * P, P, vh0, vtok, f0, n, D, D, acc + i0 * D)
                 } else {
                     for (int t = f0; t < n; t++)
                         for (int g = 0; g < gn; g++) {
                             float w = s[(i0 + g) * P + t], *ag = acc + (i0 + g) * D;
-                            for (int d = 0; d < D; d++) ag[d] += w * ONE(vh0[t * tok + d]);
+                            for (int d = 0; d < D; d++) ag[d] += w * ONE(vh0[t * vtok + d]);
                         }
                 }
             }
@@ -314,7 +381,8 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool, co
 }
 
 /* Returns 0, or 1 when a thread could not allocate its scratch (nothing is then valid). */
-int CAT(host_decode_, NAME)(const float *q, const T *pool, const int32_t *idx,
+int CAT(host_decode_, NAME)(const float *q, const T *pool, const T *pool2, int layout,
+        const int32_t *idx,
         const int32_t *row_start, const int32_t *row_count, const int32_t *last_len,
         const int32_t *first, float *page_lse, const int32_t *lse_row, int B, int Hkv, int G,
         int D, int P, float scale, float softcap, int splits, int threads, float *out_o,
@@ -333,10 +401,10 @@ int CAT(host_decode_, NAME)(const float *q, const T *pool, const int32_t *idx,
         #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tasks; t++)
             if (buf)
-                CAT(task_, NAME)(q, pool, idx, row_start, row_count, last_len, first, page_lse,
-                                 lse_row, Hkv, G, D, P, scale, softcap, splits, t, out_o, out_m,
-                                 out_l, buf, buf + Hq * P, buf + Hq * P + Hq * D,
-                                 buf + Hq * P + Hq * D + Hq,
+                CAT(task_, NAME)(q, pool, pool2, layout, idx, row_start, row_count, last_len,
+                                 first, page_lse, lse_row, Hkv, G, D, P, scale, softcap,
+                                 splits, t, out_o, out_m, out_l, buf, buf + Hq * P,
+                                 buf + Hq * P + Hq * D, buf + Hq * P + Hq * D + Hq,
                                  (uint16_t *)(buf + Hq * P + Hq * D + 2 * Hq));
         free(buf);
         /* the splits merged: lse = log sum_k l_k e^{m_k}, out = sum_k acc_k e^{m_k} / sum */
