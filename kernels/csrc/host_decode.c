@@ -177,6 +177,32 @@ static inline __attribute__((always_inline)) void qk4_dp(
 enum { DP_f32 = 0, DP_f16 = 0, DP_bf16 = HAVE_DPBF16 };  /* which pools may take qk4_dp */
 
 #define MAXG 8  /* query heads of a group scored per pass over a key (vector registers) */
+/* The native vector: VN floats in one register (AVX-512: 16, of 32 registers; else 8: AVX2's
+   16 registers, NEON's pairs). The generic 16-float vectors above serve AVX-512 well; elsewhere
+   a tile of them spills (GCC emulates a 64-byte vector in two halves and memory), so the
+   transposed-key scores and, without AVX-512, the value sums are tiled in native vectors. */
+#if defined(__AVX512F__)
+#define VN 16
+#define WIDE_REGS 1
+#else
+#define VN 8
+#define WIDE_REGS 0
+#endif
+#define QKT_G (WIDE_REGS ? 8 : 4)  /* query heads per transposed-key score tile */
+typedef float vn __attribute__((vector_size(4 * VN)));
+typedef uint16_t vn16 __attribute__((vector_size(2 * VN)));
+typedef uint32_t vn32 __attribute__((vector_size(4 * VN)));
+typedef _Float16 vnh __attribute__((vector_size(2 * VN)));
+static inline vn loadn_f32(const float *p) { vn x; memcpy(&x, p, sizeof x); return x; }
+static inline void storen_f32(float *p, vn x) { memcpy(p, &x, sizeof x); }
+static inline vn loadn_bf16(const uint16_t *p) {
+    vn16 x; memcpy(&x, p, sizeof x);
+    vn32 w = __builtin_convertvector(x, vn32) << 16;
+    vn f; memcpy(&f, &w, sizeof f); return f;
+}
+static inline vn loadn_f16(const _Float16 *p) {
+    vnh x; memcpy(&x, p, sizeof x); return __builtin_convertvector(x, vn);
+}
 
 #define T float
 #define NAME f32

@@ -6,6 +6,7 @@
 #define DP CAT(DP_, NAME)
 #define LOAD4 CAT(load4_, NAME)
 #define PAIRED CAT(PAIRED_, NAME)
+#define LOADN CAT(loadn_, NAME)
 
 /* One key row against gn query heads (gn a constant where inlined, so the accumulators live in
    registers): x[g] = q_g . k. */
@@ -43,26 +44,46 @@ static inline __attribute__((always_inline)) void CAT(qk4_, NAME)(
     store_f32(x, hsum16(a));
 }
 
-/* Scores of nc * 16 tokens whose keys are stored transposed (kt[d * P + t]: vLLM's CPU block
-   layout) against gn query heads: lane t of a[g][c] is token t0 + 16 c's score, so no
-   horizontal sums; each key vector is loaded once for the gn heads and each query element once
-   per nc vectors (gn, nc constants where inlined). Writes x[g * nc * 16 + t]. */
+/* Scores of nc native vectors of tokens whose keys are stored transposed (kt[d * P + t]: vLLM's
+   CPU block layout) against gn query heads: lane t of a[g][c] is token c * VN + t's score, so
+   no horizontal sums; each key vector is loaded once for the gn heads and each query element
+   once per nc vectors (gn, nc constants where inlined). Writes x[g * nc * VN + t]. */
 static inline __attribute__((always_inline)) void CAT(qkt_, NAME)(
         int gn, const float *restrict qg, const T *restrict kt, int P, int D, int nc,
         float *restrict x) {
-    vf a[MAXG][2];
+    vn a[MAXG][2];
     for (int g = 0; g < gn; g++)
-        for (int c = 0; c < nc; c++) a[g][c] = (vf){0};
+        for (int c = 0; c < nc; c++) a[g][c] = (vn){0};
     for (int d = 0; d < D; d++) {
-        vf k[2];
-        for (int c = 0; c < nc; c++) k[c] = LOAD(kt + (int64_t)d * P + c * V);
+        vn k[2];
+        for (int c = 0; c < nc; c++) k[c] = LOADN(kt + (int64_t)d * P + c * VN);
         for (int g = 0; g < gn; g++) {
             float qd = qg[g * D + d];
             for (int c = 0; c < nc; c++) a[g][c] += qd * k[c];
         }
     }
     for (int g = 0; g < gn; g++)
-        for (int c = 0; c < nc; c++) store_f32(x + (g * nc + c) * V, a[g][c]);
+        for (int c = 0; c < nc; c++) storen_f32(x + (g * nc + c) * VN, a[g][c]);
+}
+
+/* acc[g] += sum_t w[g][t] v_t for gn <= 4 heads, two native vectors of the head dim per pass:
+   pv4_'s tile in registers of VN floats (no pair order), for machines without AVX-512. */
+static inline __attribute__((always_inline)) void CAT(pvn_, NAME)(
+        int gn, const float *restrict w, int P, const T *restrict vh, int64_t tok, int f0, int n,
+        int d0, int D, float *restrict acc) {
+    vn a[4][2];
+    for (int g = 0; g < gn; g++)
+        for (int j = 0; j < 2; j++) a[g][j] = loadn_f32(acc + g * D + d0 + j * VN);
+    for (int t = f0; t < n; t++) {
+        vn v0 = LOADN(vh + t * tok + d0), v1 = LOADN(vh + t * tok + d0 + VN);
+        for (int g = 0; g < gn; g++) {
+            float x = w[g * P + t];
+            a[g][0] += x * v0;
+            a[g][1] += x * v1;
+        }
+    }
+    for (int g = 0; g < gn; g++)
+        for (int j = 0; j < 2; j++) storen_f32(acc + g * D + d0 + j * VN, a[g][j]);
 }
 
 /* acc[g][:L] += sum_t w[g][t] v_t[:L] over the page's tokens (acc rows D apart), gn heads at
@@ -164,7 +185,7 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool,
        k = page + h 2PD + d P + t, v = page + h 2PD + PD + t D + d */
     int64_t vbase = layout ? (int64_t)P * D : half, vhead = layout ? 2 * (int64_t)P * D : D,
             vtok = layout ? D : tok;
-    int vec = D % V == 0, blocked = vec && P % V == 0, dp = 0, nc = P % (2 * V) ? 1 : 2;
+    int vec = D % V == 0, blocked = vec && P % V == 0, dp = 0, nc = P % (2 * VN) ? 1 : 2;
     /* a bf16 query (every element's low half zero) on layout 0 is scored by qk4_dp */
     if (DP && blocked && !layout) {
         uint32_t low = 0, u;
@@ -207,13 +228,13 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool,
         /* scores s[h*G + g][t]: full pages of 16k tokens in tiles of 4 tokens x up to 4 query
            heads of a group (the head's keys stay in L1 across its group); else each key read
            once, scored by its group's query heads */
-        if (blocked && layout)  /* transposed keys: tiles of 16 or 32 tokens x <= 8 heads */
+        if (blocked && layout)  /* transposed keys: tiles of 1-2 vectors x QKT_G heads */
             for (int h = 0; h < Hkv; h++)
-                for (int g0 = 0; g0 < G; g0 += MAXG) {
-                    int gn = G - g0 < MAXG ? G - g0 : MAXG, i0 = h * G + g0;
+                for (int g0 = 0; g0 < G; g0 += QKT_G) {
+                    int gn = G - g0 < QKT_G ? G - g0 : QKT_G, i0 = h * G + g0;
                     const float *qg = qb + (int64_t)i0 * D;
-                    for (int t0 = 0; t0 < P; t0 += nc * V) {
-                        float x[MAXG * 2 * V];
+                    for (int t0 = 0; t0 < P; t0 += nc * VN) {
+                        float x[MAXG * 2 * VN];
                         const T *kt = kp + h * vhead + t0;
                         if (nc == 2) {
                             CASES(CAT(qkt_, NAME), qg, kt, P, D, 2, x)
@@ -221,8 +242,8 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool,
                             CASES(CAT(qkt_, NAME), qg, kt, P, D, 1, x)
                         }
                         for (int g = 0; g < gn; g++)
-                            for (int t = 0; t < nc * V; t++) {
-                                float y = x[g * nc * V + t] * scale;
+                            for (int t = 0; t < nc * VN; t++) {
+                                float y = x[g * nc * VN + t] * scale;
                                 if (softcap > 0.f) y = softcap * tanhf(y / softcap);
                                 s[(i0 + g) * P + t0 + t] = y;
                             }
@@ -342,6 +363,17 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool,
         /* acc += p V, the group's accumulators held in registers over the page's tokens */
         for (int h = 0; h < Hkv; h++) {
             const T *vh0 = vp + h * vhead;
+            if (blocked && !WIDE_REGS) {  /* native-width tiles: 2 VN x <= 4 heads */
+                for (int g0 = 0; g0 < G; g0 += 4) {
+                    int gn = G - g0 < 4 ? G - g0 : 4, i0 = h * G + g0;
+                    for (int d0 = 0; d0 < D; d0 += 2 * VN) {
+                        CASES4(CAT(pvn_, NAME), s + i0 * P, P, vh0, vtok, f0, n, d0, D,
+                               acc + i0 * D)
+                        PF_STEP();
+                    }
+                }
+                continue;
+            }
             if (blocked) {
                 for (int g0 = 0; g0 < G; g0 += 4) {
                     int gn = G - g0 < 4 ? G - g0 : 4, i0 = h * G + g0, d0 = 0;
@@ -373,7 +405,7 @@ static void CAT(task_, NAME)(const float *restrict q, const T *restrict pool,
 #undef PF_STEP
     }
     int64_t o = ((int64_t)b * splits + s_i) * Hq;
-    if (PAIRED && blocked)  /* pv4's 64-element chunks accumulated in pair order */
+    if (PAIRED && blocked && WIDE_REGS)  /* pv4's 64-element chunks accumulated in pair order */
         for (int i = 0; i < Hq; i++) from_pairs(acc + (int64_t)i * D, D - D % (4 * V));
     memcpy(out_m + o, m, sizeof(float) * Hq);
     memcpy(out_l + o, l, sizeof(float) * Hq);
@@ -438,4 +470,5 @@ int CAT(host_decode_, NAME)(const float *q, const T *pool, const T *pool2, int l
 #undef DP
 #undef LOAD4
 #undef PAIRED
+#undef LOADN
 #undef CASES
