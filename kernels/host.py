@@ -319,15 +319,18 @@ def vllm_cpu_pages(blocks: torch.Tensor) -> torch.Tensor:
 
 def _as_pages(pool: torch.Tensor, cold_pool: torch.Tensor | None, page_table: PageTable,
               layout: str) -> tuple[torch.Tensor, PageTable]:
-    """One pool of tierattn pages and its table for the reference path: the cold pool's pages
-    after the pool's, entries ``~e`` moved there."""
-    pages = (lambda t: vllm_cpu_pages(t)) if layout == "vllm_cpu" else (lambda t: t)
-    if cold_pool is None:
-        return pages(pool), page_table
-    idx = page_table.indices
-    moved = torch.where(idx < 0, pool.shape[0] + ~idx, idx).to(torch.int32)
-    return torch.cat((pages(pool), pages(cold_pool))), PageTable(
-        moved, page_table.row_start, page_table.row_count, page_table.last_page_len)
+    """The pages ``page_table`` lists, from either pool, as one pool of tierattn pages (entry
+    ``e`` its page ``e``) for the reference path."""
+    idx = page_table.indices.long()
+    pages = pool.index_select(0, idx.clamp_min(0))
+    if cold_pool is not None:
+        cold = cold_pool.index_select(0, (~idx).clamp_min(0))
+        pages = torch.where((idx >= 0).view(-1, *[1] * (pool.dim() - 1)), pages, cold)
+    if layout == "vllm_cpu":
+        pages = vllm_cpu_pages(pages)
+    return pages, PageTable(torch.arange(idx.numel(), dtype=torch.int32),
+                            page_table.row_start, page_table.row_count,
+                            page_table.last_page_len)
 
 
 def host_read(kv_pool: torch.Tensor, page_table: PageTable, *, threads: int | None = None,

@@ -143,7 +143,9 @@ def _with_extra(args: dict, **extra) -> dict:
 
 
 ENGINES.update({
-    # cold pages recalled into a device buffer (the CUDA path's shape) instead of read in place
+    # decode rows too staged (hot and cold pages copied into a buffer of vLLM blocks) and
+    # attended by vLLM's own kernel: the path without a compiled host kernel, and the shape of
+    # a device engine's recall
     "llama-exact-staged": ("llama", TIGHT, _with_extra(vcfg.vllm_engine_args(HOT),
                                                        stage_cold=True)),
     # top-k over every cold page is exact: the Quest ranking and the compaction, checked
@@ -151,6 +153,9 @@ ENGINES.update({
         attend="topk", recall_score="quest", recall_budget=1.0))),
     "qwen3-topk": ("qwen3", TIGHT, vcfg.vllm_engine_args(HOT.replace(
         attend="topk", recall_score="quest", recall_budget=0.2))),
+    # the top-k pages staged for vLLM's kernel: the same pages as the host kernel reads
+    "qwen3-topk-staged": ("qwen3", TIGHT, _with_extra(vcfg.vllm_engine_args(HOT.replace(
+        attend="topk", recall_score="quest", recall_budget=0.2)), stage_cold=True)),
     # a host tier of 6 pages: most cold pages stay on the device, vLLM preempts (recompute)
     "llama-small-host": ("llama", TIGHT, vcfg.vllm_engine_args(
         HOT, tiers=(TierSpec("ddr", capacity_pages=6),))),
@@ -197,6 +202,10 @@ def test_topk_recalls_a_fifth_and_runs_the_batch(runs):
     run = runs("qwen3-topk")
     assert run.most_running >= 3
     assert all(len(t) == NEW_TOKENS for t in run.tokens)
+
+
+def test_topk_pages_staged_for_vllms_kernel_give_the_host_kernels_tokens(runs):
+    assert runs("qwen3-topk-staged").tokens == runs("qwen3-topk").tokens
 
 
 def test_a_full_host_tier_falls_back_to_vllm_recompute(runs):
@@ -323,9 +332,12 @@ def test_topk_picks_the_page_a_query_points_at():
     keys[7, 1, 5] = 4 * q[0, 2]  # page 7 holds the key head 1's queries point at
     ranges = torch.stack((keys.amin(2), keys.amax(2)), dim=1)  # [slots, 2, H, D]
     slots = torch.tensor([[3, 7, 1, 0, 11, -1]])  # host slots of the row's cold pages
-    step = RowGroup(decode=True, tokens=torch.tensor([0]), hot_blocks=None, hot=None,
-                    qo_indptr=torch.tensor([0, 1], dtype=torch.int32), cold_slots=slots,
-                    cold_count=torch.tensor([5]), recall=torch.tensor([2]), most=2, topk=True)
+    none = torch.zeros(0)
+    step = RowGroup(decode=True, tokens=torch.tensor([0]),
+                    qo_indptr=torch.tensor([0, 1], dtype=torch.int32), seq_lens=none,
+                    table=None, stage_hot=none, stage_cold=none, block_table=none, staged=False,
+                    hot_entries=none, hot_count=none, last_len=none, cold_slots=slots,
+                    cold_count=torch.tensor([5]), recall=torch.tensor([2]), topk=True)
     chosen, count = _worker(kv_heads, ranges)._recalled(step, 0, q, d ** -0.5)
     assert count.tolist() == [2]
     assert 7 in chosen[0, :2].tolist()

