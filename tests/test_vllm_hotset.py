@@ -273,6 +273,7 @@ def test_cold_pages_are_those_past_the_hot_budget():
     assert cold_end(tier, 4 * 32) == 2      # 4 full pages, budget 1: sink, 1 cold, 2 recent
     assert cold_end(tier, 1024) == 32 - 7   # 32 full pages, budget 8: sink + 7 recent
     assert cold_end(tier.replace(hot_budget=64), 1024) == 32 - 2  # a token budget: 2 pages
+    assert cold_end(tier, 1024, tight=True) == 32 - 2  # a pool running low: the floor
 
 
 def _manager(host_slots: int):
@@ -305,6 +306,31 @@ def test_the_manager_frees_a_cold_block_only_once_it_has_a_copy():
     assert [p for p, _ in m.cold_pages("r")] == [1, 2, 3, 4]
     m.free("r")  # finished or preempted: every block and host slot back
     assert pool.get_num_free_blocks() == free and m.free_host_slots() == 4
+
+
+def test_a_pool_running_low_shrinks_exact_hot_sets_to_their_floor():
+    """Exact mode: with fewer free blocks than one per request plus a chunk's, the pages past
+    the floor (sinks, recent_pages) turn cold; a copy's block is freed only once vLLM has
+    processed the step that made it."""
+    from tierattn.models.vllm.hotset import cold_end
+
+    m, pool = _manager(host_slots=1000)
+    m.allocate_new_blocks("a", 20 * BLOCK, 20 * BLOCK)
+    assert not m.tight()  # 44 free
+    roomy = m.reserve_copies("a", 20 * BLOCK)
+    assert len(roomy) == cold_end(HOT, 20 * BLOCK) - HOT.sink_pages
+    m.allocate_new_blocks("b", 41 * BLOCK, 41 * BLOCK)  # 2 free < 2 requests + 5 chunk pages
+    free = pool.get_num_free_blocks()
+    assert m.tight() and free == 2
+    tight = m.reserve_copies("b", 41 * BLOCK)
+    assert len(tight) == 41 - HOT.recent_pages - HOT.sink_pages
+    m.remove_skipped_blocks("b", 40 * BLOCK)  # the copying step is not processed yet
+    assert pool.get_num_free_blocks() == free
+    m.remove_skipped_blocks("b", 41 * BLOCK)
+    assert pool.get_num_free_blocks() == free + len(tight)
+    topk = HOT.replace(attend="topk", recall_score="quest")
+    m.tier = topk  # top-k keeps its budget: its hot pages are part of what it attends
+    assert not m.tight()
 
 
 def test_admission_counts_the_hot_set_at_its_peak():

@@ -65,13 +65,13 @@ class HotSetSpec(FullAttentionSpec):
         return replace(merged, tier=specs[0].tier, chunk_tokens=specs[0].chunk_tokens)
 
 
-def cold_end(tier: TierConfig, num_tokens: int) -> int:
+def cold_end(tier: TierConfig, num_tokens: int, *, tight: bool = False) -> int:
     """Pages ``[sink_pages, cold_end)`` of a request of ``num_tokens`` computed tokens are cold:
     full, and older than the recent pages its ``hot_budget`` keeps (at least
-    ``recent_pages``). The page being written is never cold."""
+    ``recent_pages``; ``tight``: just those). The page being written is never cold."""
     full = num_tokens // tier.page_size
     budget = tier.pages(tier.hot_budget, full, num_tokens)
-    recent = max(tier.recent_pages, budget - tier.sink_pages)
+    recent = tier.recent_pages if tight else max(tier.recent_pages, budget - tier.sink_pages)
     return max(tier.sink_pages, full - recent)
 
 
@@ -95,6 +95,9 @@ class HotSetManager(FullAttentionManager):
         self._free_slots: list[int] = []
         self._fresh = 0
         self.copies: defaultdict[str, dict[int, int]] = defaultdict(dict)
+        #: the computed tokens of the step each copy is made in: its block is freed once vLLM
+        #: has processed that many (the step is over)
+        self.copied_at: defaultdict[str, dict[int, int]] = defaultdict(dict)
         #: (device block, host slot) copies decided since the connector last took them
         self.pending: list[tuple[int, int]] = []
         #: counters: pages copied out, blocks freed, copies refused for want of host room
@@ -127,10 +130,10 @@ class HotSetManager(FullAttentionManager):
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return []
-        copies = self.copies[request_id]
+        copies, at = self.copies[request_id], self.copied_at[request_id]
+        end = cold_end(self.tier, num_tokens, tight=self.tight())
         out = []
-        for page in range(self.tier.sink_pages, min(cold_end(self.tier, num_tokens),
-                                                     len(blocks))):
+        for page in range(self.tier.sink_pages, min(end, len(blocks))):
             if page in copies or blocks[page].is_null:
                 continue
             slot = self._take_slot()
@@ -138,10 +141,22 @@ class HotSetManager(FullAttentionManager):
                 self.no_room += 1
                 break
             copies[page] = slot
+            at[page] = num_tokens
             out.append((blocks[page].block_id, slot))
         self.stored_pages += len(out)
         self.pending.extend(out)
         return out
+
+    def tight(self) -> bool:
+        """Exact mode (``attend="all"``) with the block pool running low -- fewer free blocks
+        than one block per request holding blocks plus a prompt chunk's: the hot sets shrink to
+        their floor (sinks, ``recent_pages``, the page being written) rather than vLLM
+        preempting a request. Exact attention reads every cold page anyway; top-k keeps its
+        budget (its hot pages are what it attends besides the recalled ones)."""
+        if self.tier.attend != "all":
+            return False
+        chunk = -(-max(1, self.chunk_tokens) // self.tier.page_size) + 1
+        return self.block_pool.get_num_free_blocks() < len(self.req_to_blocks) + chunk
 
     def take_pending(self) -> list[tuple[int, int]]:
         out, self.pending = self.pending, []
@@ -177,17 +192,17 @@ class HotSetManager(FullAttentionManager):
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
-        """Free the device blocks of cold pages that have a host copy. The copy was made in
-        the step that computed ``processed_computed_tokens`` (the connector reserved it when
-        that step was scheduled), which has finished."""
+        """Free the device blocks of cold pages whose host copy exists: made in a step that
+        computed at most ``processed_computed_tokens`` tokens (the connector reserved it when
+        that step was scheduled; vLLM has processed it)."""
         blocks = self.req_to_blocks.get(request_id)
-        copies = self.copies.get(request_id)
-        if not blocks or not copies:
+        at = self.copied_at.get(request_id)
+        if not blocks or not at:
             return
-        end = min(cold_end(self.tier, processed_computed_tokens), len(blocks))
         freed = []
-        for page in range(self.tier.sink_pages, end):
-            if page in copies and not blocks[page].is_null:
+        for page, tokens in at.items():
+            if tokens <= processed_computed_tokens and page < len(blocks) and \
+                    not blocks[page].is_null:
                 freed.append(blocks[page])
                 blocks[page] = self._null_block
         if freed:
@@ -198,6 +213,7 @@ class HotSetManager(FullAttentionManager):
         """A finished or preempted request: its host slots go back with its blocks (a
         preempted request is recomputed from its tokens)."""
         self._free_slots.extend(self.copies.pop(request_id, {}).values())
+        self.copied_at.pop(request_id, None)
         return [b for b in super().pop_blocks_for_free(request_id) if not b.is_null]
 
 
