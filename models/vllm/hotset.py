@@ -17,7 +17,9 @@ full-attention manager with three changes:
   more blocks, and vLLM's own preemption (recompute) follows if the pool runs out -- never a
   lost page;
 * admission (``scheduler_reserve_full_isl``) counts the blocks a prompt holds at its peak with
-  the hot set (:meth:`~HotSetManager.peak_blocks`), not its full length.
+  the hot set (:meth:`~HotSetManager.peak_blocks`), not its full length; in exact mode a block
+  pool running low shrinks the hot sets to their floor (:meth:`~HotSetManager.tight`) before
+  vLLM would preempt.
 
 A preempted or finished request gives its host slots back with its blocks. Prefix caching is
 refused (a request's first block names it on the worker, and a shared block could be freed by
