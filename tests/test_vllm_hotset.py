@@ -363,7 +363,7 @@ def test_topk_picks_the_page_a_query_points_at():
                     qo_indptr=torch.tensor([0, 1], dtype=torch.int32), seq_lens=none,
                     table=None, stage_hot=none, stage_cold=none, block_table=none, staged=False,
                     hot_entries=none, hot_count=none, last_len=none, cold_slots=slots,
-                    cold_count=torch.tensor([5]), recall=torch.tensor([2]), topk=True)
+                    recall=torch.tensor([2]), topk=True)
     chosen, count = _worker(kv_heads, ranges)._recalled(step, 0, q, d ** -0.5)
     assert count.tolist() == [2]
     assert 7 in chosen[0, :2].tolist()

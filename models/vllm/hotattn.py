@@ -116,7 +116,6 @@ class RowGroup:
         hot_entries: ``[R, Hm]`` int32 each row's hot blocks, logical order (padded).
         hot_count, last_len: ``[R]`` hot pages per row; tokens in its last page.
         cold_slots: ``[R, C]`` int64 host slots of each row's cold pages (-1 past its count).
-        cold_count: ``[R]`` cold pages per row.
         recall: ``[R]`` cold pages a row attends (all of them, or its top-k for a decode row).
         topk: some row attends fewer cold pages than it has.
         metadata: vLLM's scheduler metadata for the staged rows (made at the first layer).
@@ -135,7 +134,6 @@ class RowGroup:
     hot_count: torch.Tensor
     last_len: torch.Tensor
     cold_slots: torch.Tensor
-    cold_count: torch.Tensor
     recall: torch.Tensor
     topk: bool
     metadata: torch.Tensor | None = None
@@ -237,7 +235,7 @@ class HotSetWorker:
             picked = [r for r in range(rows) if (qsl[r + 1] - qsl[r] == 1) == decode]
             if picked:
                 group = self._group(decode, picked, table, seq, qsl)
-                any_cold |= bool(int(group.cold_count.max()))
+                any_cold |= group.stage_cold.numel() > 0  # the rows' cold pages, counted
                 groups.append(group)
         return StepTables(groups=groups, any_cold=any_cold)
 
@@ -304,7 +302,6 @@ class HotSetWorker:
             hot_entries=hot_entries.to(dev),
             hot_count=torch.tensor([len(h) for h in hots], dtype=i32, device=dev),
             last_len=torch.tensor(last, dtype=i32, device=dev), cold_slots=cold_slots.to(dev),
-            cold_count=torch.tensor([len(c) for c in colds], device=dev),
             recall=torch.tensor(recall, device=dev),
             topk=any(k < len(c) for k, c in zip(recall, colds)))
 
@@ -320,9 +317,8 @@ class HotSetWorker:
         pages = kv_cache.index_select(0, blocks)  # [n, H, P, 2D]
         self.host.pool(layer).index_copy_(0, slots, pages)
         if self.ranges:
-            n, h, p, d2 = pages.shape
-            keys = pages.view(n, h, 2, p * d2 // 2)[:, :, 0].reshape(n, h, d2 // 2, p).float()
-            self.ranges[layer][slots] = torch.stack((keys.amin(-1), keys.amax(-1)), dim=1)
+            keys = vllm_cpu_pages(pages)[:, 0].float()  # [n, P, H, D]
+            self.ranges[layer][slots] = torch.stack((keys.amin(1), keys.amax(1)), dim=1)
 
     def has_cold(self, attn_metadata) -> bool:
         """Whether this layer's forward needs the hot set's attention: a step is bound, the
