@@ -148,7 +148,8 @@ def test_gpu_check_refuses_without_a_gpu_and_runs_tiny_on_cpu(tmp_path, capsys):
     assert gpu_check.main(["--out", str(tmp_path / "x")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     res = gpu_check.run(tmp_path / "gc",
-                        sections=("calibration", "decode", "pipeline", "split", "tp"),
+                        sections=("calibration", "decode", "pipeline", "split", "vllm-hotset",
+                                  "tp"),
                         tiny=True, commit="test")
     secs = res["sections"]
     assert all("error" not in s for s in secs.values()), secs
@@ -159,8 +160,12 @@ def test_gpu_check_refuses_without_a_gpu_and_runs_tiny_on_cpu(tmp_path, capsys):
     assert rows["ours offload 50%"]["prefetch_hit_rate"] == 1.0
     assert "error" not in rows["ours split 25%"] and "error" not in rows["ours adaptive 25%"]
     assert secs["split"]["max_rel_err_vs_resident"] < 1e-2 and secs["split"]["split_steps"] > 0
+    hot = secs["vllm-hotset"]["runs"]
+    assert hot["exact"]["rel_err_vs_resident"] < 1e-5 and hot["exact"]["staged_pages_per_layer"]
+    assert hot["topk-10"]["staged_pages_per_layer"] < hot["exact"]["staged_pages_per_layer"]
     md = (tmp_path / "gc" / "gpu_check.md").read_text()
     assert "## Decode sweep" in md and "## Tiered pipeline" in md
     assert "## Split attention (measured)" in md
+    assert "## The hot set's device path, without vLLM (measured)" in md
     prof = load_profile(tmp_path / "gc" / "hardware-measured.json")
     assert prof["measured"] is True

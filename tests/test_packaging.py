@@ -132,9 +132,10 @@ def test_vllm_args_prints_vllm_serve_flags_without_vllm():
                           "topk", "--hot-budget", "0.1"], capture_output=True, text=True,
                          check=True, cwd=ROOT.parent).stdout
     flags = shlex.split(out)
-    assert flags[:6] == ["--block-size", "32", "--no-enable-prefix-caching",
-                         "--long-prefill-token-threshold", "512", "--kv-transfer-config"]
-    kv = json.loads(flags[6])
+    assert flags[:8] == ["--block-size", "32", "--no-enable-prefix-caching",
+                         "--long-prefill-token-threshold", "512", "--attention-backend",
+                         "CUSTOM", "--kv-transfer-config"]
+    kv = json.loads(flags[8])
     assert kv["kv_connector"] == "TierattnHotSetConnector"
     assert kv["kv_connector_extra_config"]["tier"]["hot_budget"] == 0.1
     assert kv["kv_connector_extra_config"]["tier"]["recall_score"] == "quest"

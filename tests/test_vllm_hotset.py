@@ -254,6 +254,30 @@ def test_installed_but_not_configured_vllm_is_unchanged(runs, models, tmp_path):
     assert runs("llama-vllm-ample").tokens == plain
 
 
+def test_on_cuda_the_plugin_registers_the_device_backend_as_custom(monkeypatch):
+    """The CUDA path's registration (no CUDA vLLM here: the platform is made to say CUDA); the
+    backend it names is vLLM's Triton attention with the hot set's spec and no CUDA graph
+    around attention."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    from tierattn.models.vllm import hotattn, plugin
+
+    assert not AttentionBackendEnum.CUSTOM.is_overridden()
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    try:
+        plugin.register()
+        assert AttentionBackendEnum.CUSTOM.get_class() is hotattn.TierAttentionDeviceBackend
+    finally:
+        AttentionBackendEnum.CUSTOM.clear_override()
+    backend = hotattn.TierAttentionDeviceBackend
+    assert issubclass(backend, TritonAttentionBackend) and backend.get_name() == "CUSTOM"
+    assert backend.get_builder_cls()._cudagraph_support.name == "NEVER"
+    assert vcfg.vllm_engine_args(HOT)["attention_backend"] == "CUSTOM"
+
+
 def test_prefix_caching_is_refused_by_name(models):
     args = vcfg.vllm_engine_args(HOT)
     args["enable_prefix_caching"] = True
@@ -341,7 +365,7 @@ def test_admission_counts_the_hot_set_at_its_peak():
 
 
 def _worker(kv_heads: int, ranges: torch.Tensor):
-    from tierattn.models.vllm.hotattn import HotSetWorker
+    from tierattn.models.vllm.hotworker import HotSetWorker
 
     w = HotSetWorker.__new__(HotSetWorker)
     w.kv_heads, w.ranges = kv_heads, [ranges]
@@ -349,7 +373,7 @@ def _worker(kv_heads: int, ranges: torch.Tensor):
 
 
 def test_topk_picks_the_page_a_query_points_at():
-    from tierattn.models.vllm.hotattn import RowGroup
+    from tierattn.models.vllm.hotworker import RowGroup
 
     torch.manual_seed(0)
     kv_heads, group, d, pages = 2, 2, 16, 12
@@ -363,7 +387,7 @@ def test_topk_picks_the_page_a_query_points_at():
                     qo_indptr=torch.tensor([0, 1], dtype=torch.int32), seq_lens=none,
                     table=None, stage_hot=none, stage_cold=none, block_table=none, staged=False,
                     hot_entries=none, hot_count=none, last_len=none, cold_slots=slots,
-                    recall=torch.tensor([2]), topk=True)
+                    recall=torch.tensor([2]), max_recall=2, topk=True)
     chosen, count = _worker(kv_heads, ranges)._recalled(step, 0, q, d ** -0.5)
     assert count.tolist() == [2]
     assert 7 in chosen[0, :2].tolist()

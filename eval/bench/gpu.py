@@ -19,9 +19,14 @@ as soon as it finishes (a run cut short keeps what it measured):
    whole-layer offloading with transformers' own ``DynamicCache(offloading=True)``: measured ms
    per token, the stall exposed over all-resident, and the model's prediction from the same
    run's telemetry and calibration;
-5. **hostcost**: the tiny reasoner's greedy decode step, transformers' sdpa with its default
+5. **split**: split attention against the all-resident cache, and the host kernel's rate;
+6. **vllm-hotset**: the hot set's device path for vLLM without vLLM (the lent machines have
+   none): a decode step of 8 layers x 16 rows x 4K tokens, 25% hot, exact and top-k against
+   every page resident, outputs checked first;
+7. **hostcost**: the tiny reasoner's greedy decode step, transformers' sdpa with its default
    cache against the tiered path with everything hot and with 50% hot (the 1.3x target);
-6. **autotune**: a short, time-boxed sweep of each kernel's config space (one problem each),
+8. **tp**: two tensor-parallel ranks (two GPUs only);
+9. **autotune**: a short, time-boxed sweep of each kernel's config space (one problem each),
    winners in ``tuned.json`` (copy it to ``kernels/tuned/<gpu>.json`` to ship it).
 
 ``--tiny`` runs every section at toy sizes, also on a CPU (torch backend, host timers): the
@@ -46,10 +51,11 @@ import torch
 import triton
 import triton.language as tl
 
-SECTIONS = ("gate", "calibration", "decode", "pipeline", "split", "hostcost", "tp", "autotune")
+SECTIONS = ("gate", "calibration", "decode", "pipeline", "split", "vllm-hotset", "hostcost", "tp",
+            "autotune")
 #: what runs without --sections: the runtime's checks (the kernel sweeps are opt-in; tp skips
 #: itself on a machine with one GPU)
-DEFAULT_SECTIONS = ("gate", "calibration", "pipeline", "split", "hostcost", "tp")
+DEFAULT_SECTIONS = ("gate", "calibration", "pipeline", "split", "vllm-hotset", "hostcost", "tp")
 REPO = Path(__file__).resolve().parent.parent.parent
 GATE_TESTS = ("tests/test_decode.py", "tests/test_score.py", "tests/test_sketch.py",
               "tests/test_merge.py", "tests/test_prefill.py", "tests/test_metadata.py",
@@ -57,7 +63,7 @@ GATE_TESTS = ("tests/test_decode.py", "tests/test_score.py", "tests/test_sketch.
               "tests/test_kernel_edges.py", "tests/test_partial_states.py",
               "tests/test_transfer.py", "tests/test_runtime.py", "tests/test_conservation.py",
               "tests/test_pagemap.py", "tests/test_decode_step.py", "tests/test_graphs.py",
-              "tests/test_swapcore.py", "tests/test_split.py")
+              "tests/test_swapcore.py", "tests/test_split.py", "tests/test_vllm_device.py")
 
 
 # --- timing --------------------------------------------------------------------------------
@@ -461,6 +467,15 @@ def section_split(ctx: dict) -> dict:
     return device_check(ctx["dev"], tiny=ctx["tiny"])
 
 
+def section_vllm_hotset(ctx: dict) -> dict:
+    """The hot set's device path without vLLM
+    (:func:`tierattn.eval.bench.vllm_hotset.device_check`): exact and top-k decode steps against
+    every page resident, outputs checked first."""
+    from tierattn.eval.bench.vllm_hotset import device_check
+
+    return device_check(ctx["dev"], tiny=ctx["tiny"])
+
+
 def section_hostcost(ctx: dict) -> dict:
     """The tiny reasoner's greedy decode step on this device: transformers' sdpa with its
     default cache against the tiered path with everything hot and with 50% hot."""
@@ -513,6 +528,7 @@ def section_autotune(ctx: dict) -> dict:
 
 
 SECTION_FNS = {"gate": section_gate, "calibration": section_calibration, "split": section_split,
+               "vllm-hotset": section_vllm_hotset,
                "decode": section_decode, "pipeline": section_pipeline,
                "hostcost": section_hostcost, "tp": section_tp,
                "autotune": section_autotune}
@@ -546,6 +562,21 @@ def markdown(result: dict) -> str:
             lines.append(f"| {dt} | {r['host_decode_Bps'] / 1e9:.1f} | "
                          f"{_fmt(r['read_Bps'] and r['read_Bps'] / 1e9, '.1f')} | "
                          f"{_fmt(r['ratio'])} |")
+        lines.append("")
+    if "vllm-hotset" in s and "error" not in s["vllm-hotset"]:
+        v = s["vllm-hotset"]
+        lines += ["## The hot set's device path, without vLLM (measured)", "",
+                  f"{v['rows']} decode rows x {v['context']} tokens, {v['layers']} layers, heads "
+                  f"{v['heads']}, {v['dtype']}, {v['hot_share']:.0%} hot, pinned host tier: "
+                  f"{v['pinned_host']}", "",
+                  "| run | ms/step | ms/layer | ratio to resident | staged pages/layer | GB/s "
+                  "staged | rel err vs resident |", "|---|---|---|---|---|---|---|"]
+        for name, r in v["runs"].items():
+            lines.append(f"| {name} | {r['ms_per_step']:.3f} | {r['ms_per_layer']:.3f} | "
+                         f"{_fmt(r.get('ratio_to_resident'))} | "
+                         f"{_fmt(r.get('staged_pages_per_layer'), 'd')} | "
+                         f"{_fmt(r.get('staged_GBps'), '.1f')} | "
+                         f"{_fmt(r.get('rel_err_vs_resident'), '.2e')} |")
         lines.append("")
     if "gate" in s:
         g = s["gate"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -41,7 +42,7 @@ from pathlib import Path
 from tierattn.eval.bench.vllm import (_kv_bytes_per_token, _metrics, _pct, _texts_ids,
                                       export_smollm2, run_in_process, save_results)
 
-__all__ = ["RUNS", "HotSetBenchSpec", "hotset_summary", "run_hotset_bench"]
+__all__ = ["RUNS", "HotSetBenchSpec", "device_check", "hotset_summary", "run_hotset_bench"]
 
 #: run -> (hot set preset and knobs or None for vLLM alone, workloads)
 RUNS = {
@@ -306,6 +307,89 @@ def hotset_summary(result: dict) -> str:
             parts.append(f"passkeys {r['passkeys_found']}/{r['passkeys']}")
         lines.append("  ".join(parts))
     return "\n".join(lines)
+
+
+def device_check(dev, *, tiny: bool = False) -> dict:
+    """The hot set's device path on ``dev`` without vLLM (the GPU check's ``vllm-hotset``
+    section): :class:`~tierattn.models.vllm.hotworker.DeviceHotSetWorker` driven as vLLM's
+    connector drives it over caches in vLLM's device layout (``NHD``), ``rows`` decode rows of
+    ``context`` tokens, 25% hot (the sink page and the recent pages), the rest copied out to the
+    pinned host tier; one decode step of every layer, timed: exact (every cold page staged
+    layer-ahead), top-k (10% of the sequence recalled per layer), and every page resident
+    (tierattn's decode kernel over the whole table, the work vLLM's own kernel does), outputs
+    checked against the resident run first. Llama-8B heads, bf16 (``tiny``: toy sizes)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tierattn.config import SwapConfig, TierConfig
+    from tierattn.eval.bench.gpu import _rel_err, bench
+    from tierattn.kernels import PageTable, sparse_decode
+    from tierattn.models.vllm.hotworker import DeviceHotSetWorker, attention_view, block_pages
+
+    layers, hq, hkv, d, p = (2, 4, 2, 32, 32) if tiny else (8, 32, 8, 128, 32)
+    rows, context = (2, 256) if tiny else (16, 4096)
+    dtype = torch.float32 if tiny and dev.type == "cpu" else torch.bfloat16
+    n = context // p
+    hot = {0, *range(n - max(1, n // 4 - 1), n)}  # the sink page and the recent pages
+    cold = [j for j in range(n) if j not in hot]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    blocks = rows * n
+    caches = {f"layers.{i}": torch.randn((blocks, p, hkv, 2 * d), generator=gen, device=dev,
+                                         dtype=dtype).permute(0, 2, 1, 3) for i in range(layers)}
+    table = torch.arange(blocks, dtype=torch.int32, device=dev).view(rows, n)
+    md = SimpleNamespace(block_table=table, seq_lens=torch.full((rows,), context,
+                                                                dtype=torch.int32, device=dev),
+                         query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=dev))
+    queries = [torch.randn((rows, hq, d), generator=gen, device=dev, dtype=dtype)
+               for _ in range(layers)]
+    impl = SimpleNamespace(scale=d ** -0.5, logits_soft_cap=0.0)
+    slots = {(r, j): r * len(cold) + i for r in range(rows) for i, j in enumerate(cold)}
+    stores = [(r * n + j, s) for (r, j), s in slots.items()]
+    cold_map = {r * n: [(j, slots[r, j]) for j in cold] for r in range(rows)}
+    resident = PageTable.from_padded(table, md.seq_lens, p)
+
+    def full() -> list:
+        return [sparse_decode(queries[i], attention_view(*block_pages(c)), resident,
+                              validate=False).out for i, c in enumerate(caches.values())]
+
+    def run_step(w: DeviceHotSetWorker, outs: list) -> None:
+        """One decode step of every layer, as the connector and the backend drive it."""
+        w.begin_step([], cold_map, {layer: md for layer in caches})
+        for i, (layer, c) in enumerate(caches.items()):
+            w.attend(impl, SimpleNamespace(layer_name=layer), queries[i], c, outs[i])
+        w.finish_step()
+        w.end_step()
+
+    ref = full()
+    out = {}
+    for name, tier in (("exact", TierConfig.preset("offload", page_size=p)),
+                       ("topk-10", TierConfig.preset("topk", page_size=p, recall_score="quest",
+                                                     recall_budget=0.1))):
+        w = DeviceHotSetWorker(tier, SwapConfig(tiers=("ddr",)), caches, len(stores),
+                               fingerprint=f"gpu-check-{name}")
+        w.begin_step(stores, {}, None)  # the step that copies the cold pages out
+        for layer, c in caches.items():
+            w.save(layer, c)
+        w.finish_step()
+        w.end_step()
+        outs = [torch.empty((rows, hq * d), dtype=dtype, device=dev) for _ in range(layers)]
+        run_step(w, outs)
+        err = max(_rel_err(o.float(), r.reshape(rows, -1)) for o, r in zip(outs, ref))
+        staged = sum(pl.cold_pages for pl in w.plans)
+        secs = bench(functools.partial(run_step, w, outs), dev)
+        out[name] = {"ms_per_step": secs * 1e3, "ms_per_layer": secs * 1e3 / layers,
+                     "staged_pages_per_layer": staged,
+                     "staged_GBps": staged * w.host.page_bytes * layers / secs / 1e9,
+                     "rel_err_vs_resident": err}
+        w.close()
+    secs = bench(full, dev)
+    out["resident"] = {"ms_per_step": secs * 1e3, "ms_per_layer": secs * 1e3 / layers}
+    for name in ("exact", "topk-10"):
+        out[name]["ratio_to_resident"] = out[name]["ms_per_step"] / out["resident"]["ms_per_step"]
+    return {"layers": layers, "rows": rows, "context": context, "heads": [hq, hkv, d],
+            "page": p, "dtype": str(dtype), "hot_share": len(hot) / n,
+            "pinned_host": dev.type == "cuda", "runs": out}
 
 
 def _main() -> None:

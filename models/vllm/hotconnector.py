@@ -8,9 +8,11 @@ the one hook around each attention layer; the hot set uses both and loads nothin
   :class:`~tierattn.models.vllm.hotset.HotSetManager` for host slots of the pages turning cold
   this step and sends, with them, each scheduled request's cold pages (:class:`HotSetMetadata`);
 * worker process: :meth:`~TierattnHotSetConnector.bind_connector_metadata` hands them to the
-  :class:`~tierattn.models.vllm.hotattn.HotSetWorker` before the forward, and
+  worker (:class:`~tierattn.models.vllm.hotattn.CPUHotSetWorker` on vLLM's CPU engine,
+  :class:`~tierattn.models.vllm.hotworker.DeviceHotSetWorker` on CUDA) before the forward,
   :meth:`~TierattnHotSetConnector.save_kv_layer`, after each layer wrote its K/V, copies the
-  pages out.
+  pages out, and :meth:`~TierattnHotSetConnector.wait_for_save` orders those copies before
+  the next step.
 
 Both sides size the host tier with the one rule of
 :func:`tierattn.serving.swaptiers.swap_capacities` (:func:`host_slots`), so they count the same
@@ -117,18 +119,25 @@ class TierattnHotSetConnector(KVConnectorBase_V1):
     # -- worker side ----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        from .hotattn import HotSetWorker
-
         config = self._vllm_config
         first = next(iter(kv_caches.values()))
-        isa = _get_attn_isa(config.model_config.dtype, first.shape[2], first.shape[3] // 2,
-                            config.cache_config.cache_dtype)
         rank, engine = config.parallel_config.rank, self._kv_transfer_config.engine_id
-        self.hot_worker = HotSetWorker(self.tier, self.swap, kv_caches, self.slots,
-                                       fingerprint=f"vllm-hot-{engine}-rank{rank}", isa=isa,
-                                       stage_cold=self._stage)
+        fingerprint = f"vllm-hot-{engine}-rank{rank}"
+        if first.device.type == "cpu":
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            from .hotattn import CPUHotSetWorker
+
+            isa = _get_attn_isa(config.model_config.dtype, first.shape[2], first.shape[3] // 2,
+                                config.cache_config.cache_dtype)
+            self.hot_worker = CPUHotSetWorker(self.tier, self.swap, kv_caches, self.slots,
+                                              fingerprint=fingerprint, isa=isa,
+                                              stage_cold=self._stage)
+        else:
+            from .hotworker import DeviceHotSetWorker
+
+            self.hot_worker = DeviceHotSetWorker(self.tier, self.swap, kv_caches, self.slots,
+                                                 fingerprint=fingerprint)
 
     def bind_connector_metadata(self, connector_metadata: HotSetMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -156,7 +165,8 @@ class TierattnHotSetConnector(KVConnectorBase_V1):
             self.hot_worker.save(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
-        return None
+        if self.hot_worker is not None:
+            self.hot_worker.finish_step()
 
     def shutdown(self) -> None:
         if self.hot_worker is not None:

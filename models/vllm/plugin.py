@@ -1,17 +1,19 @@
 """tierattn's vLLM plugin (entry point ``vllm.general_plugins``), loaded by every vLLM process.
 
-It points vLLM's CPU attention backend (``CPU_ATTN``) at
-:class:`~tierattn.models.vllm.hotattn.TierAttentionBackend`, which is vLLM's own backend unless
-the engine is configured with tierattn's hot-set connector (:func:`tierattn.vllm_engine_args`):
-installing tierattn changes nothing for an engine that does not ask for it. On vLLM's CPU
-platform only an override of ``CPU_ATTN`` takes effect (it ignores ``CUSTOM``); on CUDA the same
-class would be registered as ``CUSTOM`` and chosen with ``attention_backend="CUSTOM"`` -- a path
-no machine here has run (vLLM has no CUDA build on the lent GPU machines).
+On vLLM's CPU platform it points the CPU attention backend (``CPU_ATTN``) at
+:class:`~tierattn.models.vllm.hotattn.TierAttentionBackend` (that platform ignores
+``CUSTOM``), which is vLLM's own backend unless the engine is configured with tierattn's hot-set
+connector (:func:`tierattn.vllm_engine_args`): installing tierattn changes nothing for an engine
+that does not ask for it. On CUDA it registers
+:class:`~tierattn.models.vllm.hotattn.TierAttentionDeviceBackend` as ``CUSTOM``, which only an
+engine built with ``attention_backend="CUSTOM"`` (as :func:`tierattn.vllm_engine_args` writes)
+uses -- a path no machine here has run end to end (the lent GPU machines have no vLLM).
 """
 
 from __future__ import annotations
 
 BACKEND = "tierattn.models.vllm.hotattn.TierAttentionBackend"
+DEVICE_BACKEND = "tierattn.models.vllm.hotattn.TierAttentionDeviceBackend"
 
 
 def register() -> None:
@@ -24,3 +26,5 @@ def register() -> None:
         return
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+    elif current_platform.is_cuda():
+        register_backend(AttentionBackendEnum.CUSTOM, DEVICE_BACKEND)
