@@ -211,3 +211,18 @@ def test_a_row_without_cold_pages_and_an_idle_step_leave_vllm_in_charge(seed):
     outs = engine.run(worker)
     for li, out in enumerate(outs):
         torch.testing.assert_close(out, engine.reference(li), atol=2e-5, rtol=2e-5)
+
+
+def test_topk_recalls_the_pages_a_pool_running_low_demoted():
+    from tierattn.models.vllm.config import cold_end, recall_pages
+
+    tier = TierConfig.preset("topk", page_size=32, hot_budget=0.25, recall_score="quest",
+                             recall_budget=0.1, sink_pages=1, recent_pages=2)
+    tokens = 1024 + 5  # 32 full pages and the page being written
+    normal = cold_end(tier, tokens) - tier.sink_pages  # 32 - 8 recent - 1 sink = 23 cold
+    budget = tier.recall_pages(33, tokens)
+    assert recall_pages(tier, normal, tokens) == budget
+    assert recall_pages(tier, normal - 3, tokens) == budget  # copies not made yet
+    tight = cold_end(tier, tokens, tight=True) - tier.sink_pages  # the floor: 29 cold
+    assert recall_pages(tier, tight, tokens) == budget + (tight - normal)  # as many attended
+    assert recall_pages(tier, 2, 96) == 2  # never more than the row's cold pages

@@ -18,7 +18,8 @@ from tierattn.config import RemoteConfig, SwapConfig, TierConfig, TierSpec
 from tierattn.errors import TierConfigError, UnsupportedEngineError
 
 __all__ = ["ENGINE_BLOCKS", "HOT_SET_CONNECTOR", "SUPPORTED", "VLLM_INTERNALS", "check_vllm",
-           "hot_set_config", "swap_config", "vllm_engine_args", "vllm_kv_transfer_config"]
+           "cold_end", "hot_set_config", "recall_pages", "swap_config", "vllm_engine_args",
+           "vllm_kv_transfer_config"]
 
 #: vLLM releases whose offloading internals this adapter was checked against
 SUPPORTED = ("0.32",)
@@ -196,6 +197,26 @@ def hot_set_config(extra: dict) -> TierConfig:
     except (KeyError, TypeError) as e:
         raise TierConfigError(f"kv_connector_extra_config['tier']: {e}; write it with "
                               "tierattn.vllm_engine_args().") from e
+
+
+def cold_end(tier: TierConfig, num_tokens: int, *, tight: bool = False) -> int:
+    """Pages ``[sink_pages, cold_end)`` of a request of ``num_tokens`` computed tokens are cold:
+    full, and older than the recent pages its ``hot_budget`` keeps (at least
+    ``recent_pages``; ``tight``: just those). The page being written is never cold."""
+    full = num_tokens // tier.page_size
+    budget = tier.pages(tier.hot_budget, full, num_tokens)
+    recent = tier.recent_pages if tight else max(tier.recent_pages, budget - tier.sink_pages)
+    return max(tier.sink_pages, full - recent)
+
+
+def recall_pages(tier: TierConfig, cold: int, num_tokens: int) -> int:
+    """Cold pages a decode row of ``num_tokens`` tokens with ``cold`` cold pages attends under
+    ``attend="topk"``: its ``recall_budget``, plus the pages a pool running low made cold
+    beyond what ``hot_budget`` alone would (:func:`cold_end` with ``tight``), so it attends as
+    many pages as with its whole hot set; at most ``cold``."""
+    full = -(-num_tokens // tier.page_size)
+    demoted = max(0, cold - (cold_end(tier, num_tokens) - tier.sink_pages))
+    return min(cold, tier.recall_pages(full, num_tokens) + demoted)
 
 
 def check_hot_set(config: TierConfig, tiers: Sequence[TierSpec]) -> None:

@@ -17,9 +17,9 @@ full-attention manager with three changes:
   more blocks, and vLLM's own preemption (recompute) follows if the pool runs out -- never a
   lost page;
 * admission (``scheduler_reserve_full_isl``) counts the blocks a prompt holds at its peak with
-  the hot set (:meth:`~HotSetManager.peak_blocks`), not its full length; in exact mode a block
-  pool running low shrinks the hot sets to their floor (:meth:`~HotSetManager.tight`) before
-  vLLM would preempt.
+  the hot set (:meth:`~HotSetManager.peak_blocks`), not its full length; a block pool running
+  low shrinks the hot sets to their floor (:meth:`~HotSetManager.tight`) before vLLM would
+  preempt.
 
 A preempted or finished request gives its host slots back with its blocks. Prefix caching is
 refused (a request's first block names it on the worker, and a shared block could be freed by
@@ -38,6 +38,8 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from tierattn.config import TierConfig
 from tierattn.errors import TierConfigError
+
+from .config import cold_end
 
 __all__ = ["HotSetManager", "HotSetSpec", "cold_end", "register_spec"]
 
@@ -65,16 +67,6 @@ class HotSetSpec(FullAttentionSpec):
                                   "given different hot sets; build the engine with one "
                                   "tierattn.vllm_engine_args(config).")
         return replace(merged, tier=specs[0].tier, chunk_tokens=specs[0].chunk_tokens)
-
-
-def cold_end(tier: TierConfig, num_tokens: int, *, tight: bool = False) -> int:
-    """Pages ``[sink_pages, cold_end)`` of a request of ``num_tokens`` computed tokens are cold:
-    full, and older than the recent pages its ``hot_budget`` keeps (at least
-    ``recent_pages``; ``tight``: just those). The page being written is never cold."""
-    full = num_tokens // tier.page_size
-    budget = tier.pages(tier.hot_budget, full, num_tokens)
-    recent = tier.recent_pages if tight else max(tier.recent_pages, budget - tier.sink_pages)
-    return max(tier.sink_pages, full - recent)
 
 
 class HotSetManager(FullAttentionManager):
@@ -150,13 +142,12 @@ class HotSetManager(FullAttentionManager):
         return out
 
     def tight(self) -> bool:
-        """Exact mode (``attend="all"``) with the block pool running low -- fewer free blocks
-        than one block per request holding blocks plus a prompt chunk's: the hot sets shrink to
-        their floor (sinks, ``recent_pages``, the page being written) rather than vLLM
-        preempting a request. Exact attention reads every cold page anyway; top-k keeps its
-        budget (its hot pages are what it attends besides the recalled ones)."""
-        if self.tier.attend != "all":
-            return False
+        """The block pool running low -- fewer free blocks than one block per request holding
+        blocks plus a prompt chunk's: the hot sets shrink to their floor (sinks,
+        ``recent_pages``, the page being written) rather than vLLM preempting a request. Exact
+        attention reads every cold page anyway; top-k recalls the pages it demoted on top of
+        its budget (:func:`~tierattn.models.vllm.config.recall_pages`), so it attends as many
+        pages as before, the demoted ones ranked with the rest."""
         chunk = -(-max(1, self.chunk_tokens) // self.tier.page_size) + 1
         return self.block_pool.get_num_free_blocks() < len(self.req_to_blocks) + chunk
 

@@ -48,6 +48,8 @@ from tierattn.runtime.prefetch import RING
 from tierattn.storage.tiers import build_tier
 from tierattn.storage.transfer import TransferEngine, default_engine
 
+from .config import recall_pages
+
 __all__ = ["DeviceHotSetWorker", "HotSetWorker", "RowGroup", "StepTables", "attention_view",
            "block_pages"]
 
@@ -209,7 +211,7 @@ class HotSetWorker:
             colds.append(c)
             k = len(c)
             if self.tier.attend == "topk" and decode:
-                k = min(k, self.tier.recall_pages(n, seq[r]))
+                k = recall_pages(self.tier, k, seq[r])
             recall.append(k)
             tokens += range(qsl[r], qsl[r + 1])
             qo.append(len(tokens))
