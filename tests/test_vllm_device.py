@@ -135,8 +135,10 @@ class Engine:
             start += nq
         return torch.cat(out)
 
-    def run(self, worker: DeviceHotSetWorker) -> list[torch.Tensor]:
-        """Step 1 copies the cold pages out (and vLLM frees their blocks); step 2 attends."""
+    def run(self, worker: DeviceHotSetWorker, order: list[int] | None = None
+            ) -> list[torch.Tensor]:
+        """Step 1 copies the cold pages out (and vLLM frees their blocks); step 2 attends, the
+        layers in ``order`` (default: the model's)."""
         worker.begin_step(self.stores(), {}, None)
         for name, cache in self.caches.items():
             worker.save(name, cache)
@@ -144,17 +146,18 @@ class Engine:
         worker.end_step()
         self.free_cold_blocks()
         worker.begin_step([], self.cold_map(), {name: self.md for name in self.caches})
-        outs = []
-        for li, (name, cache) in enumerate(self.caches.items()):
+        outs = {}
+        names = list(self.caches)
+        for li in order or range(LAYERS):
             assert worker.has_cold(self.md)
             out = torch.full((len(self.q[li]), HQ * D), float("nan"), dtype=self.dtype,
                              device=DEVICE)
-            worker.attend(self.impl, SimpleNamespace(layer_name=name), self.q[li].to(DEVICE),
-                          cache, out)
-            outs.append(out.float().cpu())
+            worker.attend(self.impl, SimpleNamespace(layer_name=names[li]),
+                          self.q[li].to(DEVICE), self.caches[names[li]], out)
+            outs[li] = out.float().cpu()
         worker.finish_step()
         worker.end_step()
-        return outs
+        return [outs[li] for li in range(LAYERS)]
 
 
 def worker_for(engine: Engine, tier: TierConfig) -> DeviceHotSetWorker:
@@ -177,6 +180,15 @@ def test_exact_rows_attend_every_token_from_hot_blocks_and_staged_pages(layout, 
         torch.testing.assert_close(out, engine.reference(li), atol=TOL[dtype], rtol=TOL[dtype])
     if isinstance(worker.engine, FakeAsyncEngine):
         assert worker.engine.pending == 0  # every copy landed before its reader
+
+
+@pytest.mark.parametrize("order", [[2, 0, 1], [0, 2, 1], [1, 1, 0, 2]])
+def test_layers_out_of_the_models_order_are_staged_when_they_run(order, seed):
+    # layer-ahead staging guesses the next layer; a wrong guess costs a copy, never a page
+    engine = Engine("NHD", torch.float32, torch.Generator().manual_seed(seed))
+    outs = engine.run(worker_for(engine, TierConfig.preset("offload", page_size=P)), order)
+    for li in set(order):
+        torch.testing.assert_close(outs[li], engine.reference(li), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])

@@ -259,6 +259,10 @@ class _HotSetImpl:
             raise UnsupportedModelError(
                 "tierattn's hot set in vLLM serves dense causal attention; this model has a "
                 "sliding window, ALiBi or attention sinks. Serve it without the hot set.")
+        if self.hot_set and getattr(self, "kv_sharing_target_layer_name", None) is not None:
+            raise UnsupportedModelError(
+                "tierattn's hot set keeps each layer's cold pages itself; this model shares KV "
+                "caches across layers. Serve it without the hot set.")
         if self.hot_set and self.kv_cache_dtype != "auto":
             raise UnsupportedModelError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r}: tierattn's hot set keeps every page at "
@@ -272,6 +276,10 @@ class _HotSetImpl:
                                    output_scale, output_block_scale)
         worker.attend(self, layer, query, kv_cache, output)
         return output
+
+    def fused_output_quant_supported(self, quant_key) -> bool:
+        # the hot set's attention writes the output unquantised
+        return False if self.hot_set else super().fused_output_quant_supported(quant_key)
 
 
 class TierAttentionImpl(_HotSetImpl, CPUAttentionBackendImpl):

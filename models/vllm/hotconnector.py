@@ -26,8 +26,9 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorMetadata)
-from vllm.forward_context import get_forward_context
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
+from tierattn.errors import TierConfigError
 from tierattn.serving.swaptiers import swap_capacities
 
 from .config import check_hot_set, check_vllm, hot_set_config, swap_config
@@ -72,11 +73,24 @@ class TierattnHotSetConnector(KVConnectorBase_V1):
         self.swap = swap_config(extra)
         check_hot_set(self.tier, self.swap.tiers)
         if vllm_config.cache_config.enable_prefix_caching:
-            from tierattn.errors import TierConfigError
             raise TierConfigError(
                 "enable_prefix_caching: tierattn's hot set frees cold blocks a prefix hit could "
                 "share; build the engine with tierattn.vllm_engine_args(config), which turns it "
                 "off.")
+        if vllm_config.speculative_config is not None:
+            raise TierConfigError(
+                "speculative_config: tierattn's hot set binds one step's tables to the target "
+                "model's forward, and a draft model's layers would run under them; serve "
+                "without speculative decoding.")
+        if vllm_config.parallel_config.use_ubatching:
+            raise TierConfigError(
+                "enable_dbo / ubatch_size: tierattn's hot set attends one batch per step, not "
+                "micro-batches; serve without dual-batch overlap.")
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+            raise TierConfigError(
+                f"tierattn's hot set serves models with one KV cache group (full attention in "
+                f"every layer); this one has {len(kv_cache_config.kv_cache_groups)} (a hybrid "
+                "or sliding-window model). Serve it without the hot set.")
         self.slots = host_slots(vllm_config, kv_cache_config)
         self.managers: list[HotSetManager] = []
         self.hot_worker = None
@@ -137,15 +151,16 @@ class TierattnHotSetConnector(KVConnectorBase_V1):
             from .hotworker import DeviceHotSetWorker
 
             self.hot_worker = DeviceHotSetWorker(self.tier, self.swap, kv_caches, self.slots,
-                                                 fingerprint=fingerprint)
+                                                 fingerprint=fingerprint,
+                                                 backend=self.swap.backend)
 
     def bind_connector_metadata(self, connector_metadata: HotSetMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.hot_worker is None:
             return
-        md = get_forward_context().attn_metadata
-        if isinstance(md, list):  # speculative decoding: the base model's
-            md = md[0]
+        # vLLM's V2 runner binds a step without tokens (one that only reports finished requests)
+        # outside any forward context
+        md = get_forward_context().attn_metadata if is_forward_context_available() else None
         self.hot_worker.begin_step(connector_metadata.stores, connector_metadata.cold,
                                    md if isinstance(md, dict) else None)
 

@@ -18,8 +18,9 @@ Two workers attend:
   (:class:`~tierattn.storage.transfer.CUDATransferEngine`), a block freed only after the step
   that copied it. Per layer, the cold pages are staged into a device buffer -- exact rows
   layer-ahead (layer ``l+1``'s pages land while layer ``l`` computes, two buffers in turn),
-  top-k rows once the layer's query has chosen them -- and tierattn's Triton kernels attend
-  the hot blocks in vLLM's cache in place and the staged pages, merged by LSE
+  top-k rows once the layer's query has chosen them (into the layer's buffer, after its exact
+  rows' pages) -- and tierattn's Triton kernels attend the hot blocks in vLLM's cache in
+  place and the staged pages, merged by LSE
   (:func:`~tierattn.kernels.sparse_decode` for decode rows, :func:`~tierattn.kernels.
   paged_prefill` for prompt chunks: causal over the hot pages, every staged page visible, as
   a cold page precedes the chunk).
@@ -422,7 +423,8 @@ class DeviceHotSetWorker(HotSetWorker):
         #: this step's copies out (device blocks, host slots) and the exact rows' staging
         #: (host slots, staging pages), int32 for the page-copy kernel
         self.copies = self.exact = (none, none)
-        self.pending: dict[int, object] = {}
+        #: layer -> (ticket, ring buffer) of the exact rows' staging started for it
+        self.pending: dict[int, tuple[object, int]] = {}
         self.saved: list[object] = []
 
     def begin_step(self, stores, cold, attn_metadata) -> None:
@@ -455,17 +457,23 @@ class DeviceHotSetWorker(HotSetWorker):
                                            dtype=self.dtype, device=self.device)
         self.exact = (torch.cat(exact).to(torch.int32), torch.cat(dst).to(torch.int32)) \
             if exact else (self.copies[0][:0],) * 2
-        self._prefetch(0)
+        self._stage(0)
 
-    def _prefetch(self, layer: int) -> None:
-        """Start staging ``layer``'s cold pages of the exact rows into its ring buffer, after
-        every kernel the compute stream has queued (the buffer's last reader was layer
-        ``layer - RING``)."""
+    def _stage(self, layer: int, avoid: int | None = None) -> None:
+        """Start staging ``layer``'s cold pages of the exact rows into a ring buffer no staged
+        layer holds (nor ``avoid``), after every kernel the compute stream has queued (the
+        buffer's last reader); ``pending[layer] = (ticket, buffer)``. Nothing to do past the
+        last layer, or when no ring buffer is free."""
+        if not 0 <= layer < len(self.layers) or layer in self.pending:
+            return
+        busy = {b for _, b in self.pending.values()} | {avoid}
+        free = [b for b in range(RING) if b not in busy]
+        if not free:
+            return
         src, dst = self.exact
-        if layer < len(self.layers) and src.numel():
-            self.pending[layer] = self.engine.copy(self.host.pool(layer), src,
-                                                   self.ring[layer % RING], dst,
-                                                   after=self.engine.fence())
+        ticket = self.engine.copy(self.host.pool(layer), src, self.ring[free[0]], dst,
+                                  after=self.engine.fence()) if src.numel() else None
+        self.pending[layer] = (ticket, free[0])
 
     def save(self, layer_name: str, kv_cache: torch.Tensor) -> None:
         blocks, slots = self.copies
@@ -481,18 +489,20 @@ class DeviceHotSetWorker(HotSetWorker):
     def finish_step(self) -> None:
         """The compute stream waits for the step's copies out (a block the scheduler frees
         after this step is written by a later one) and for any staging no layer consumed."""
-        for ticket in [*self.saved, *self.pending.values()]:
+        for ticket in [*self.saved, *(t for t, _ in self.pending.values())]:
             self.engine.wait(ticket)
         self.saved, self.pending = [], {}
 
     def attend(self, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor,
                output: torch.Tensor) -> None:
         li = self.layers[layer.layer_name]
-        self._prefetch(li + 1)
-        self.engine.wait(self.pending.pop(li, None))
+        self._stage(li)  # staged ahead by the layer before; a layer out of order: now
+        ticket, b = self.pending.pop(li)
+        self._stage(li + 1, avoid=b)  # layer-ahead: the next layer's pages land meanwhile
+        self.engine.wait(ticket)
         pages, strides = block_pages(kv_cache)
         cache = attention_view(pages, strides)
-        buf = self.ring[li % RING]
+        buf = self.ring[b]
         staged = attention_view(buf, strides)
         scale, softcap = impl.scale, impl.logits_soft_cap or None
         rows_out = output.view(output.shape[0], -1)
