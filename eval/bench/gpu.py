@@ -473,7 +473,7 @@ def section_vllm_hotset(ctx: dict) -> dict:
     every page resident, outputs checked first."""
     from tierattn.eval.bench.vllm_hotset import device_check
 
-    return device_check(ctx["dev"], tiny=ctx["tiny"])
+    return device_check(ctx["dev"], timer=bench, tiny=ctx["tiny"])
 
 
 def section_hostcost(ctx: dict) -> dict:

@@ -309,7 +309,7 @@ def hotset_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-def device_check(dev, *, tiny: bool = False) -> dict:
+def device_check(dev, *, timer, tiny: bool = False) -> dict:
     """The hot set's device path on ``dev`` without vLLM (the GPU check's ``vllm-hotset``
     section): :class:`~tierattn.models.vllm.hotworker.DeviceHotSetWorker` driven as vLLM's
     connector drives it over caches in vLLM's device layout (``NHD``), ``rows`` decode rows of
@@ -317,13 +317,14 @@ def device_check(dev, *, tiny: bool = False) -> dict:
     pinned host tier; one decode step of every layer, timed: exact (every cold page staged
     layer-ahead), top-k (10% of the sequence recalled per layer), and every page resident
     (tierattn's decode kernel over the whole table, the work vLLM's own kernel does), outputs
-    checked against the resident run first. Llama-8B heads, bf16 (``tiny``: toy sizes)."""
+    checked against the resident run first. Llama-8B heads, bf16 (``tiny``: toy sizes).
+    ``timer(fn, dev)``: seconds per call of ``fn`` (the GPU check's
+    :func:`~tierattn.eval.bench.gpu.bench`, passed in: that module imports this one)."""
     from types import SimpleNamespace
 
     import torch
 
     from tierattn.config import SwapConfig, TierConfig
-    from tierattn.eval.bench.gpu import _rel_err, bench
     from tierattn.kernels import PageTable, sparse_decode
     from tierattn.models.vllm.hotworker import DeviceHotSetWorker, attention_view, block_pages
 
@@ -375,15 +376,16 @@ def device_check(dev, *, tiny: bool = False) -> dict:
         w.end_step()
         outs = [torch.empty((rows, hq * d), dtype=dtype, device=dev) for _ in range(layers)]
         run_step(w, outs)
-        err = max(_rel_err(o.float(), r.reshape(rows, -1)) for o, r in zip(outs, ref))
+        err = max(float((o.double() - r.reshape(rows, -1).double()).norm()
+                        / r.double().norm().clamp_min(1e-30)) for o, r in zip(outs, ref))
         staged = sum(pl.cold_pages for pl in w.plans)
-        secs = bench(functools.partial(run_step, w, outs), dev)
+        secs = timer(functools.partial(run_step, w, outs), dev)
         out[name] = {"ms_per_step": secs * 1e3, "ms_per_layer": secs * 1e3 / layers,
                      "staged_pages_per_layer": staged,
                      "staged_GBps": staged * w.host.page_bytes * layers / secs / 1e9,
                      "rel_err_vs_resident": err}
         w.close()
-    secs = bench(full, dev)
+    secs = timer(full, dev)
     out["resident"] = {"ms_per_step": secs * 1e3, "ms_per_layer": secs * 1e3 / layers}
     for name in ("exact", "topk-10"):
         out[name]["ratio_to_resident"] = out[name]["ms_per_step"] / out["resident"]["ms_per_step"]
